@@ -1,0 +1,1 @@
+"""omni-audio-inject."""
