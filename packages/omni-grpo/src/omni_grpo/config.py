@@ -1,0 +1,438 @@
+"""The one configuration tree of omni-grpo: pydantic v2 models loaded from YAML.
+
+Every model forbids unknown keys so that a typo (``rollout.n_sample``) fails loudly with the dotted
+path of the bad field instead of being silently ignored. Each component receives only ITS
+sub-model (``cfg.algo``, ``cfg.data``, ...), never the whole tree.
+
+Relative paths in a YAML file are resolved against the directory of that file (not the current
+working directory), so a config can be run from anywhere; ``load_config`` does this.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file and the dotted field path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------- run
+class RunConfig(_Strict):
+    dir: Path = Path("runs/default")
+    seed: int = 0
+    steps: int = Field(100, ge=0)
+    eval_every: int = Field(10, ge=0, description="0 disables periodic evaluation")
+    save_every: int = Field(50, ge=0, description="0 saves only at the end")
+    log_every: int = Field(1, ge=1)
+    tensorboard: bool = True
+    wandb: bool = False
+    plots: bool = True
+
+
+# ------------------------------------------------------------------------------------------- model
+class TinyModelConfig(_Strict):
+    """Create a tiny random Omni checkpoint at ``model.omni_checkpoint`` when it does not exist."""
+
+    vocab: Literal["small", "real"] = "small"
+    seed: int = 0
+    sizes: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="overrides per tower: {'text': {...}, 'vision': {...}, 'audio': {...}}",
+    )
+
+    @field_validator("sizes")
+    @classmethod
+    def _known_towers(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        bad = sorted(set(v) - {"text", "vision", "audio"})
+        if bad:
+            raise ValueError(
+                f"unknown tower(s) {bad}; expected a subset of ['audio', 'text', 'vision']"
+            )
+        return v
+
+
+class ModelConfig(_Strict):
+    omni_checkpoint: Path | None = None
+    make_tiny: TinyModelConfig | None = None
+    extracted_dir: Path | None = Field(None, description="default <run.dir>/model/vl")
+    audio_dir: Path | None = Field(None, description="default <run.dir>/model/audio")
+    dtype: Literal["float32", "bfloat16", "auto"] = "auto"
+    freeze_visual: bool = True
+    freeze_lm_head: bool = False
+
+
+# -------------------------------------------------------------------------------------------- data
+class SyntheticDataConfig(_Strict):
+    tasks: list[Literal["image", "audio", "video"]] = Field(
+        default_factory=lambda: ["image", "audio", "video"]
+    )
+    n_train: int = Field(256, ge=1)
+    n_eval: int = Field(64, ge=1)
+    seed: int = 0
+
+
+class DataConfig(_Strict):
+    train: Path | None = None
+    eval: Path | None = None
+    root: Path | None = Field(
+        None, description="media root; media paths are confined to it (default: train file's dir)"
+    )
+    video_fps: float = Field(2.0, gt=0)
+    max_frames: int = Field(32, ge=2)
+    image_min_pixels: int = Field(32 * 32, ge=32 * 32)
+    image_max_pixels: int = Field(256 * 32 * 32, ge=32 * 32)
+    video_max_pixels: int = Field(128 * 32 * 32, ge=32 * 32, description="per frame")
+    audio_max_seconds: float = Field(30.0, gt=0)
+    shuffle: bool = True
+    synthetic: SyntheticDataConfig | None = None
+
+    @model_validator(mode="after")
+    def _pixels_ordered(self) -> DataConfig:
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError(
+                f"image_min_pixels ({self.image_min_pixels}) must be <= image_max_pixels ({self.image_max_pixels})"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------------------- rollout
+class SamplingParams(_Strict):
+    """Mirror of ``omni_grpo.types.SamplingConfig`` with validation; ``to_sampling()`` converts."""
+
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(64, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+
+    def to_sampling(self) -> Any:
+        from omni_grpo.types import SamplingConfig
+
+        return SamplingConfig(**self.model_dump())
+
+
+class SglangOmniConfig(_Strict):
+    urls: list[str] = Field(default_factory=list)
+    router_url: str | None = None
+    admin_api_key: SecretStr | None = None
+    timeout_s: float = Field(300.0, gt=0)
+    max_concurrency: int = Field(64, ge=1)
+    bf16_payload: bool = True
+    sync_mode: Literal["skip", "distributed", "disk"] = "disk"
+    sync_dir: Path | None = None
+    bucket_mb: int = Field(512, ge=1)
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["embedded", "sglang-omni"] = "embedded"
+    n_samples: int = Field(
+        8, gt=1, description="group size; GRPO needs at least 2 samples per prompt"
+    )
+    prompts_per_step: int = Field(8, ge=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    eval_sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
+    sglang: SglangOmniConfig = Field(default_factory=SglangOmniConfig)
+
+    @model_validator(mode="after")
+    def _sglang_needs_urls(self) -> RolloutConfig:
+        if self.engine == "sglang-omni" and not (self.sglang.urls or self.sglang.router_url):
+            raise ValueError("engine 'sglang-omni' needs sglang.urls or sglang.router_url")
+        return self
+
+
+# -------------------------------------------------------------------------------------------- algo
+class AdvantageConfig(_Strict):
+    std_normalize: bool = Field(True, description="False = Dr.GRPO (mean-centred only)")
+    eps: float = Field(1e-6, gt=0)
+
+
+class TISConfig(_Strict):
+    """Truncated importance sampling of the trainer's old logprobs against the rollout engine's."""
+
+    enabled: bool = False
+    clip_low: float = Field(0.0, ge=0)
+    clip_high: float = Field(2.0, gt=0)
+    mode: Literal["truncate", "icepop"] = "truncate"
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TISConfig:
+        if self.clip_low >= self.clip_high:
+            raise ValueError(f"clip_low ({self.clip_low}) must be < clip_high ({self.clip_high})")
+        return self
+
+
+class AlgoConfig(_Strict):
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    clip_eps_low: float = Field(0.2, ge=0, lt=1)
+    clip_eps_high: float = Field(0.28, ge=0)
+    dual_clip_c: float | None = Field(
+        None, gt=1, description="dual-clip constant c > 1; None disables"
+    )
+    kl_coef: float = Field(0.0, ge=0)
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    kl_unbiased: bool = Field(
+        False, description="multiply the KL term by the importance ratio exp(logp-old)"
+    )
+    entropy_coef: float = Field(0.0, ge=0)
+    tis: TISConfig = Field(default_factory=TISConfig)
+    loss_agg: Literal["token", "sequence"] = Field(
+        "sequence",
+        description="sequence: per-sample token mean, averaged over samples; token: global token mean",
+    )
+    use_rollout_logprobs: bool = Field(
+        False, description="use rollout logprobs as old_logp (no trainer recompute)"
+    )
+
+    @model_validator(mode="after")
+    def _exclusive(self) -> AlgoConfig:
+        if self.use_rollout_logprobs and self.tis.enabled:
+            raise ValueError(
+                "use_rollout_logprobs and tis.enabled are mutually exclusive (TIS would be identically 1)"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------------------- trainer
+class WarmupConfig(_Strict):
+    """Optional supervised format warm-up before GRPO (teaches the answer format)."""
+
+    steps: int = Field(0, ge=0)
+    lr: float = Field(1e-4, gt=0)
+
+
+class MegatronConfig(_Strict):
+    tp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, le=1, description="pipeline parallelism is not supported")
+    sp: bool = False
+    max_tokens_per_gpu: int = Field(8192, ge=1)
+    recompute: Literal["none", "selective", "full"] = "none"
+    precision: Literal["bf16", "fp32"] = "bf16"
+
+    @model_validator(mode="after")
+    def _sp_with_tp_moe(self) -> MegatronConfig:
+        if self.tp > 1 and not self.sp:
+            raise ValueError(
+                "tp > 1 with MoE requires sp: true (megatron-core refuses MoE+TP without SP)"
+            )
+        return self
+
+
+class TrainerConfig(_Strict):
+    backend: Literal["torch", "megatron"] = "torch"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum: int | None = Field(
+        None, ge=1, description="None: derived from the step's batch size"
+    )
+    ppo_epochs: int = Field(1, ge=1)
+    warmup: WarmupConfig | None = None
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+
+
+# ----------------------------------------------------------------------------------- rewards, eval
+class RewardsConfig(_Strict):
+    """Which reward (entry-point name in ``omni_grpo.rewards``) scores rows that do not name one."""
+
+    default: str = "mcq"
+    by_modality: dict[str, str] = Field(
+        default_factory=dict, description="e.g. {'video': 'answer_tag'}"
+    )
+
+
+class EvalConfig(_Strict):
+    every: int = Field(10, ge=0)
+    max_samples: int | None = Field(None, ge=1)
+    per_modality: bool = True
+
+
+# -------------------------------------------------------------------------------------------- root
+class OmniGRPOConfig(_Strict):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _derived_paths(self) -> OmniGRPOConfig:
+        # Defaults that depend on run.dir; assigned without re-validation loops.
+        if self.model.extracted_dir is None:
+            object.__setattr__(self.model, "extracted_dir", self.run.dir / "model" / "vl")
+        if self.model.audio_dir is None:
+            object.__setattr__(self.model, "audio_dir", self.run.dir / "model" / "audio")
+        if self.data.root is None and self.data.train is not None:
+            object.__setattr__(self.data, "root", self.data.train.parent)
+        return self
+
+
+# ------------------------------------------------------------------------------ loading, overrides
+def format_validation_error(err: ValidationError, source: str | None = None) -> str:
+    """One line per problem: ``<source>: rollout.n_samples: Input should be greater than 1 (got 1)``."""
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
+        lines.append(f"{path}: {e['msg']}{got_s}")
+    head = f"invalid config {source}" if source else "invalid config"
+    return head + ":\n  " + "\n  ".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    """YAML-typed scalar/list/dict from an override (``8`` -> int, ``[1,2]`` -> list, ``null`` -> None)."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _model_for_path(path: list[str]) -> None:
+    """Raise ConfigError unless the dotted path names a field of the tree (dict fields may go deeper)."""
+    model: Any = OmniGRPOConfig
+    for i, key in enumerate(path):
+        fields = getattr(model, "model_fields", None)
+        if fields is None:
+            return  # inside a free-form dict field: any key is allowed
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            where = ".".join(path[: i + 1])
+            raise ConfigError(f"unknown config key '{where}' (known at this level: {known})")
+        model = _submodel(fields[key].annotation)
+
+
+def _submodel(annotation: Any) -> Any:
+    """The BaseModel class inside ``X | None`` style annotations, else None (leaf or dict)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def apply_overrides(
+    cfg_dict: dict[str, Any], overrides: list[str] | tuple[str, ...]
+) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (YAML-typed values) to a raw config dict, returning a new dict.
+
+    Unknown paths raise ConfigError naming the path, so a typo on the command line never silently
+    does nothing. Validation of the values themselves happens when the tree is built.
+    """
+    import copy
+
+    out = copy.deepcopy(cfg_dict)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rollout.n_samples=8)")
+        key, raw = item.split("=", 1)
+        path = [p for p in key.strip().split(".")]
+        if not all(path):
+            raise ConfigError(f"override {item!r} has an empty key segment")
+        _model_for_path(path)
+        node = out
+        for p in path[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[p] = nxt
+            node = nxt
+        node[path[-1]] = _parse_value(raw)
+    return out
+
+
+# Fields holding paths, resolved relative to the config file's directory.
+_PATH_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("run", "dir"),
+    ("model", "omni_checkpoint"),
+    ("model", "extracted_dir"),
+    ("model", "audio_dir"),
+    ("data", "train"),
+    ("data", "eval"),
+    ("data", "root"),
+    ("rollout", "sglang", "sync_dir"),
+)
+
+
+def _resolve_paths(cfg_dict: dict[str, Any], base: Path) -> None:
+    for path in _PATH_FIELDS:
+        node: Any = cfg_dict
+        for p in path[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        value = node.get(path[-1])
+        if isinstance(value, str | os.PathLike) and str(value) != "":
+            p = Path(os.path.expanduser(str(value)))
+            node[path[-1]] = str(p if p.is_absolute() else (base / p))
+
+
+def build_config(cfg_dict: dict[str, Any], source: str | None = None) -> OmniGRPOConfig:
+    """Validate a raw dict into the tree, converting pydantic errors into a readable ConfigError."""
+    try:
+        return OmniGRPOConfig.model_validate(cfg_dict)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None, overrides: list[str] | tuple[str, ...] = ()
+) -> OmniGRPOConfig:
+    """Load a YAML config, apply dotted overrides, resolve relative paths against the file's dir.
+
+    ``path=None`` starts from the defaults (overrides still apply; paths resolve against the cwd).
+    """
+    raw: dict[str, Any] = {}
+    base = Path.cwd()
+    source = None
+    if path is not None:
+        file = Path(path)
+        source = str(file)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{file}: not valid YAML: {err}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: top level must be a mapping, got {type(loaded).__name__}")
+        raw = loaded
+        base = file.resolve().parent
+    raw = apply_overrides(raw, overrides)
+    _resolve_paths(raw, base)
+    return build_config(raw, source)
+
+
+def dump_config(cfg: OmniGRPOConfig) -> str:
+    """YAML of the full resolved tree (secrets masked), for saving next to a run."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

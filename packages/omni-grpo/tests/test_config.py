@@ -1,0 +1,169 @@
+"""Config tree: YAML loading, field-naming errors, dotted overrides, path resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omni_grpo.config import (
+    AlgoConfig,
+    ConfigError,
+    OmniGRPOConfig,
+    apply_overrides,
+    dump_config,
+    load_config,
+)
+
+
+def _write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_valid_and_sensible() -> None:
+    cfg = OmniGRPOConfig()
+    assert cfg.algo.clip_eps_low == 0.2 and cfg.algo.clip_eps_high == 0.28
+    assert cfg.algo.kl_type == "k1" and cfg.algo.kl_coef == 0.0
+    assert cfg.algo.advantage.std_normalize is True and cfg.algo.advantage.eps == 1e-6
+    assert cfg.rollout.eval_sampling.temperature == 0.0
+    assert cfg.model.freeze_visual is True
+    assert cfg.model.extracted_dir == cfg.run.dir / "model" / "vl"
+    assert cfg.model.audio_dir == cfg.run.dir / "model" / "audio"
+
+
+def test_unknown_key_names_dotted_path(tmp_path: Path) -> None:
+    p = _write(tmp_path, "rollout:\n  n_sample: 4\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert "rollout.n_sample" in msg and "Extra inputs are not permitted" in msg and str(p) in msg
+
+
+def test_bad_value_names_field_and_constraint(tmp_path: Path) -> None:
+    p = _write(tmp_path, "rollout:\n  n_samples: 1\n")
+    with pytest.raises(
+        ConfigError, match=r"rollout\.n_samples: Input should be greater than 1 \(got 1\)"
+    ):
+        load_config(p)
+
+
+def test_nested_bad_literal(tmp_path: Path) -> None:
+    p = _write(tmp_path, "algo:\n  tis:\n    mode: clip\n")
+    with pytest.raises(
+        ConfigError, match=r"algo\.tis\.mode: Input should be 'truncate' or 'icepop'"
+    ):
+        load_config(p)
+
+
+def test_overrides_are_yaml_typed() -> None:
+    out = apply_overrides(
+        {"rollout": {"n_samples": 4}},
+        [
+            "rollout.n_samples=8",
+            "algo.dual_clip_c=3",
+            "trainer.betas=[0.9, 0.95]",
+            "run.wandb=true",
+            "algo.tis.enabled=yes",
+            "model.make_tiny.vocab=real",
+            "rollout.sampling.stop_token_ids=[1,2]",
+        ],
+    )
+    cfg = OmniGRPOConfig.model_validate(out)
+    assert cfg.rollout.n_samples == 8
+    assert cfg.algo.dual_clip_c == 3.0
+    assert cfg.trainer.betas == (0.9, 0.95)
+    assert cfg.run.wandb is True and cfg.algo.tis.enabled is True
+    assert cfg.model.make_tiny is not None and cfg.model.make_tiny.vocab == "real"
+    assert cfg.rollout.sampling.stop_token_ids == [1, 2]
+
+
+def test_override_does_not_mutate_input() -> None:
+    src = {"rollout": {"n_samples": 4}}
+    apply_overrides(src, ["rollout.n_samples=8"])
+    assert src == {"rollout": {"n_samples": 4}}
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("rollout.n_sampels=8", "rollout.n_sampels"),
+        ("algo.tis.foo=1", "algo.tis.foo"),
+        ("nope=1", "'nope'"),
+    ],
+)
+def test_unknown_override_path(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match="unknown config key") as ei:
+        apply_overrides({}, [override])
+    assert fragment in str(ei.value)
+
+
+def test_override_without_equals() -> None:
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        apply_overrides({}, ["rollout.n_samples"])
+
+
+def test_override_into_free_form_dict() -> None:
+    out = apply_overrides(
+        {}, ["model.make_tiny.sizes.text={hidden_size: 32}", "rewards.by_modality.video=math"]
+    )
+    cfg = OmniGRPOConfig.model_validate(out)
+    assert cfg.model.make_tiny.sizes == {"text": {"hidden_size": 32}}
+    assert cfg.rewards.by_modality == {"video": "math"}
+
+
+def test_paths_resolve_relative_to_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sub = tmp_path / "configs"
+    sub.mkdir()
+    p = _write(
+        sub, "run:\n  dir: ../runs/a\ndata:\n  train: data/train.jsonl\n  eval: /abs/eval.jsonl\n"
+    )
+    monkeypatch.chdir(tmp_path.parent)
+    cfg = load_config(p)
+    assert cfg.run.dir == sub / "../runs/a"
+    assert cfg.data.train == sub / "data/train.jsonl"
+    assert cfg.data.eval == Path("/abs/eval.jsonl")
+    assert cfg.data.root == sub / "data"  # default: the train file's directory
+    assert cfg.model.extracted_dir == sub / "../runs/a" / "model" / "vl"
+
+
+def test_override_paths_also_resolve(tmp_path: Path) -> None:
+    p = _write(tmp_path, "")
+    cfg = load_config(p, ["data.train=x/t.jsonl"])
+    assert cfg.data.train == tmp_path / "x/t.jsonl"
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "a: [1,\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(_write(tmp_path, "- 1\n"))
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        AlgoConfig(use_rollout_logprobs=True, tis={"enabled": True})
+    with pytest.raises(ValueError, match="clip_low"):
+        AlgoConfig(tis={"clip_low": 3.0, "clip_high": 2.0})
+    with pytest.raises(ConfigError, match="sglang.urls"):
+        load_config(None, ["rollout.engine=sglang-omni"])
+    with pytest.raises(ConfigError, match="sp: true"):
+        load_config(None, ["trainer.megatron.tp=2"])
+
+
+def test_secret_not_dumped(tmp_path: Path) -> None:
+    cfg = load_config(
+        None, ["rollout.sglang.admin_api_key=hunter2", "rollout.sglang.urls=[http://x]"]
+    )
+    assert cfg.rollout.sglang.admin_api_key.get_secret_value() == "hunter2"
+    assert "hunter2" not in dump_config(cfg)
+
+
+def test_dump_roundtrip(tmp_path: Path) -> None:
+    cfg = load_config(None, ["algo.kl_coef=0.01", "run.dir=/tmp/r"])
+    again = load_config(_write(tmp_path, dump_config(cfg)))
+    assert again == cfg
