@@ -1,0 +1,70 @@
+"""Rewards, discovered by name through the ``omni_grpo.rewards`` entry-point group.
+
+A third-party package adds a reward by declaring, in its pyproject::
+
+    [project.entry-points."omni_grpo.rewards"]
+    my_reward = "my_pkg.rewards:MyReward"
+
+The target may be a class with ``name`` and ``score(sample, completion_text) -> float`` (it is
+instantiated with no arguments), an instance of one, or a plain function ``(sample, text) -> float``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any
+
+from omni_grpo.types import Reward, Sample
+
+REWARDS_GROUP = "omni_grpo.rewards"
+
+
+class _FunctionReward:
+    def __init__(self, name: str, fn: Callable[[Sample, str], float]) -> None:
+        self.name, self._fn = name, fn
+
+    def score(self, sample: Sample, completion_text: str) -> float:
+        return float(self._fn(sample, completion_text))
+
+
+def available_rewards() -> list[str]:
+    return sorted({ep.name for ep in entry_points(group=REWARDS_GROUP)})
+
+
+def _as_reward(name: str, obj: Any) -> Reward:
+    if isinstance(obj, type):
+        obj = obj()
+    if isinstance(obj, Reward):
+        return obj
+    if callable(obj):
+        return _FunctionReward(name, obj)
+    raise TypeError(
+        f"reward entry point {name!r} is {type(obj).__name__}: not a Reward, class or function"
+    )
+
+
+@cache
+def get_reward(name: str) -> Reward:
+    """The reward registered under ``name`` (one shared instance per name)."""
+    eps = [ep for ep in entry_points(group=REWARDS_GROUP) if ep.name == name]
+    if not eps:
+        raise KeyError(
+            f"unknown reward {name!r}; registered in {REWARDS_GROUP!r}: {available_rewards()}"
+        )
+    try:
+        obj = eps[0].load()
+    except Exception as err:
+        raise RuntimeError(
+            f"reward {name!r} ({eps[0].value}) failed to load: {type(err).__name__}: {err}"
+        ) from err
+    return _as_reward(name, obj)
+
+
+def score_sample(sample: Sample, completion_text: str, default: str = "mcq") -> float:
+    """Score with the reward the sample names (``sample.reward``), or ``default`` when empty."""
+    return get_reward(sample.reward or default).score(sample, completion_text)
+
+
+__all__ = ["REWARDS_GROUP", "available_rewards", "get_reward", "score_sample"]
