@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from importlib.metadata import EntryPoint
-
 import pytest
 from omni_grpo import rewards as reg
 from omni_grpo.rewards import available_rewards, get_reward, score_sample
@@ -172,4 +170,3 @@ def test_registry_third_party_function_and_broken(monkeypatch: pytest.MonkeyPatc
             reg.get_reward("bad")
     finally:
         reg.get_reward.cache_clear()
-    assert EntryPoint  # the real type is what importlib returns; _EP mimics its load()/name/value
