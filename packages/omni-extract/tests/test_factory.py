@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from omni_extract.testing import TinyOmniSpec, make_tiny_omni
 from omni_extract.tokens import REAL_IDS
+from safetensors import safe_open
 
 
 def _all_keys(ckpt):
@@ -72,10 +71,20 @@ def test_real_vocab_reproduces_released_ids(tiny_omni_real_vocab_dir):
     cfg = json.loads((tiny_omni_real_vocab_dir / "config.json").read_text())
     th = cfg["thinker_config"]
     assert th["text_config"]["vocab_size"] == 152064
-    for key in ("audio_token_id", "audio_start_token_id", "audio_end_token_id", "image_token_id",
-                "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+    for key in (
+        "audio_token_id",
+        "audio_start_token_id",
+        "audio_end_token_id",
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+    ):
         assert th[key] == REAL_IDS[key], key
-    assert [tok.convert_tokens_to_ids(t) for t in ("<|audio_start|>", "<|audio_pad|>")] == [151669, 151675]
+    assert [tok.convert_tokens_to_ids(t) for t in ("<|audio_start|>", "<|audio_pad|>")] == [
+        151669,
+        151675,
+    ]
 
 
 def _mm_inputs(th: dict, batch_text_id: int = 5):
@@ -117,8 +126,12 @@ def test_thinker_loads_without_missing_keys_and_runs_all_modalities(fixture, req
 
 
 def test_options_seed_dtype_shards(tmp_path):
-    a = make_tiny_omni(tmp_path / "a", TinyOmniSpec(seed=3, dtype="bfloat16", num_shards=2, with_talker=False))
-    b = make_tiny_omni(tmp_path / "b", TinyOmniSpec(seed=3, dtype="bfloat16", num_shards=2, with_talker=False))
+    a = make_tiny_omni(
+        tmp_path / "a", TinyOmniSpec(seed=3, dtype="bfloat16", num_shards=2, with_talker=False)
+    )
+    b = make_tiny_omni(
+        tmp_path / "b", TinyOmniSpec(seed=3, dtype="bfloat16", num_shards=2, with_talker=False)
+    )
     assert len(list(a.glob("model-*.safetensors"))) >= 2
     with safe_open(a / next(iter(sorted(p.name for p in a.glob("model-*")))), "pt") as f:
         name = next(iter(f.keys()))

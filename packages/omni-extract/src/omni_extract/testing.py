@@ -358,7 +358,9 @@ def make_tiny_omni(dst: str | os.PathLike[str], spec: TinyOmniSpec | None = None
     if spec.vocab == "real":
         mismatch = {k: (ids[k], REAL_IDS[k]) for k in ids if ids[k] != REAL_IDS[k]}
         if mismatch:
-            raise RuntimeError(f"real tokenizer ids differ from the released checkpoint: {mismatch}")
+            raise RuntimeError(
+                f"real tokenizer ids differ from the released checkpoint: {mismatch}"
+            )
         vocab_size = REAL_VOCAB_SIZE
     else:
         vocab_size = (len(tok) + 63) // 64 * 64
