@@ -1,0 +1,704 @@
+"""``OmniRolloutClient``: the asyncio client a trainer calls thousands of times per step.
+
+Retry policy, and why it is safe for rollouts: a /generate that failed with a 5xx, a dropped
+connection or a timeout may still have run on the server, but its output never reached us, and a
+rollout sample is consumed exactly once by the caller that awaited it. Re-sending produces one new
+sample in its place; each ``generate`` call returns exactly one result, so samples are never lost
+or duplicated. Requests dropped by an abort that *this* client issued are not retried (the caller
+asked for them to stop): they raise ``GenerationAbortedError``.
+
+Admin calls that move weights (group init, distributed update, disk update) are retried only when
+the connection could not be opened, because re-sending a half-processed update could leave the
+server waiting for a broadcast the trainer will never send. Read-only and pause/continue calls
+retry on every transient failure (an unknown-stage 500 makes sglang-omni close the keep-alive
+connection silently; the next pooled request then fails with a read error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import httpx
+
+from .admin import (
+    DEFAULT_STAGES,
+    PAUSE_MODES,
+    AdminReply,
+    RankPlan,
+    admin_failure,
+    parse_admin_reply,
+    plan_weight_sync_ranks,
+)
+from .errors import (
+    AdminAuthError,
+    ClientValidationError,
+    ConflictError,
+    ContractError,
+    GenerationAbortedError,
+    NotSupportedError,
+    ResponseContractError,
+    RouteNotFoundError,
+    ServerResponseError,
+    TransientServerError,
+)
+from .payload import PreparedPrompt, build_generate_body
+from .result import GenerateResult, concat_results, parse_generate_response
+from .retry import RetryPolicy
+from .sampling import filter_sampling_params
+
+
+class Retry(Enum):
+    """What a route may retry."""
+
+    ALL = "all"  # 5xx (not 501), connection errors, timeouts
+    CONNECT = "connect"  # only when the request provably never reached the server
+    NONE = "none"
+
+
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. ``generate`` reads may wait through a pause (requests block until continue);
+    ``admin`` covers group init, which blocks until the trainer joins the NCCL group."""
+
+    connect: float = 10.0
+    write: float = 120.0
+    generate: float = 1800.0
+    admin: float = 600.0
+    pool: float | None = None
+
+
+@dataclass(frozen=True)
+class HealthStatus:
+    ok: bool
+    status_code: int
+    body: Any
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    weight_version: str | None
+    model_path: str | None
+    load_format: str | None
+    thinker_tp_sizes: tuple[int, ...]  # one per worker (one entry on a bare worker)
+    reply: AdminReply = field(repr=False)
+
+
+async def _aiter_chunks(chunks: Sequence[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _response_body(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _detail(body: Any) -> Any:
+    if isinstance(body, Mapping):
+        if "detail" in body:
+            return body["detail"]
+        if isinstance(body.get("error"), Mapping):
+            return body["error"].get("message", body["error"])
+    return body
+
+
+_STATUS_ERRORS: dict[int, type[ServerResponseError]] = {
+    400: ContractError,
+    422: ContractError,
+    401: AdminAuthError,
+    403: AdminAuthError,
+    404: RouteNotFoundError,
+    409: ConflictError,
+    413: ContractError,
+    501: NotSupportedError,
+}
+
+
+class OmniRolloutClient:
+    """Async client for one sglang-omni worker or its router.
+
+    Use as ``async with OmniRolloutClient(url) as client:``. ``max_concurrency`` bounds in-flight
+    /generate requests (admin calls bypass it so a pause is never stuck behind rollouts).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        admin_api_key: str | None = None,
+        max_concurrency: int = 256,
+        retry: RetryPolicy | None = None,
+        timeouts: Timeouts | None = None,
+        max_connections: int | None = None,
+        max_keepalive_connections: int | None = None,
+        stages: Sequence[str] | None = DEFAULT_STAGES,
+        model: str | None = None,
+        vocab_size: int | None = None,
+        seed: int | None = None,
+    ):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency: expected >= 1, got {max_concurrency}")
+        self.base_url = base_url.rstrip("/")
+        self.__admin_api_key = admin_api_key or None
+        self.max_concurrency = max_concurrency
+        self.retry = retry or RetryPolicy()
+        self.timeouts = timeouts or Timeouts()
+        self.stages = list(stages) if stages is not None else None
+        self.model = model
+        self.vocab_size = vocab_size
+        self._rng = random.Random(seed)
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._abort_epoch = 0
+        connections = max_connections or max_concurrency + 8  # headroom for admin calls
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            limits=httpx.Limits(
+                max_connections=connections,
+                max_keepalive_connections=max_keepalive_connections or connections,
+            ),
+            timeout=httpx.Timeout(
+                connect=self.timeouts.connect,
+                read=self.timeouts.admin,
+                write=self.timeouts.write,
+                pool=self.timeouts.pool,
+            ),
+        )
+
+    def __repr__(self) -> str:
+        key = "<redacted>" if self.__admin_api_key else None
+        return f"OmniRolloutClient(base_url={self.base_url!r}, admin_api_key={key}, max_concurrency={self.max_concurrency})"
+
+    async def __aenter__(self) -> OmniRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def clone_for(self, base_url: str) -> OmniRolloutClient:
+        """A client for another server with the same settings (e.g. one router worker)."""
+        return OmniRolloutClient(
+            base_url,
+            admin_api_key=self.__admin_api_key,
+            max_concurrency=self.max_concurrency,
+            retry=self.retry,
+            timeouts=self.timeouts,
+            stages=self.stages,
+            model=self.model,
+            vocab_size=self.vocab_size,
+        )
+
+    # ------------------------------------------------------------------ transport
+
+    def _admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.__admin_api_key}"} if self.__admin_api_key else {}
+
+    async def _send(
+        self,
+        method: str,
+        route: str,
+        *,
+        chunks: Sequence[bytes] | None = None,
+        json_body: Any = None,
+        admin: bool,
+        retry: Retry,
+        read_timeout: float,
+        abort_epoch: int | None = None,
+    ) -> tuple[int, Any, int]:
+        """Send with retries; return ``(status, body, attempts)`` for 2xx, raise otherwise."""
+        headers = self._admin_headers() if admin else {}
+        timeout = httpx.Timeout(
+            connect=self.timeouts.connect,
+            read=read_timeout,
+            write=self.timeouts.write,
+            pool=self.timeouts.pool,
+        )
+        attempt = 0
+        while True:
+            attempt += 1
+            failure: str
+            status: int | None = None
+            body: Any = None
+            try:
+                if chunks is not None:
+                    request_headers = {
+                        **headers,
+                        "Content-Type": "application/json",
+                        "Content-Length": str(sum(len(c) for c in chunks)),
+                    }
+                    if abort_epoch is not None:
+                        async with self._slots:
+                            response = await self._http.request(
+                                method,
+                                route,
+                                content=_aiter_chunks(chunks),
+                                headers=request_headers,
+                                timeout=timeout,
+                            )
+                    else:
+                        response = await self._http.request(
+                            method,
+                            route,
+                            content=_aiter_chunks(chunks),
+                            headers=request_headers,
+                            timeout=timeout,
+                        )
+                else:
+                    response = await self._http.request(
+                        method, route, json=json_body, headers=headers, timeout=timeout
+                    )
+            except httpx.TransportError as exc:
+                retryable = retry is Retry.ALL or (
+                    retry is Retry.CONNECT and isinstance(exc, _CONNECT_ERRORS)
+                )
+                failure = f"{type(exc).__name__}: {exc}"
+            else:
+                status, body = response.status_code, _response_body(response)
+                if status < 300:
+                    return status, body, attempt
+                if status < 500 or status == 501:
+                    raise self._error(route, status, body)
+                retryable = retry is Retry.ALL
+                failure = f"HTTP {status}: {_detail(body)!r}"[:500]
+            if abort_epoch is not None and self._abort_epoch != abort_epoch:
+                raise GenerationAbortedError(
+                    f"{route}: request dropped by pause_generation(mode='abort') issued through this client ({failure})"
+                )
+            if not retryable or attempt >= self.retry.max_attempts:
+                raise TransientServerError(
+                    f"{method} {route} failed after {attempt} attempt(s): {failure}",
+                    route=route,
+                    status_code=status,
+                    attempts=attempt,
+                    detail=_detail(body),
+                )
+            await asyncio.sleep(self.retry.delay(attempt, self._rng))
+
+    @staticmethod
+    def _error(route: str, status: int, body: Any) -> ServerResponseError:
+        detail = _detail(body)
+        if isinstance(detail, Mapping) and "results" in detail:  # failed admin envelope
+            return admin_failure(parse_admin_reply(route, status, body))
+        cls = _STATUS_ERRORS.get(status, ContractError)
+        hint = (
+            " (sglang-omni has no such route; plain-sglang routes are not served)"
+            if status == 404
+            else ""
+        )
+        return cls(
+            f"{route}: HTTP {status}: {detail!r}{hint}"[:2000],
+            route=route,
+            status_code=status,
+            detail=detail,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def prepare(
+        self,
+        input_ids: Any,
+        mm: Mapping[str, Any] | None = None,
+        *,
+        bf16: bool | Sequence[str] = True,
+    ) -> PreparedPrompt:
+        """Validate and encode a prompt once (see ``PreparedPrompt.build``)."""
+        return PreparedPrompt.build(input_ids, mm, bf16=bf16, vocab_size=self.vocab_size)
+
+    async def generate(
+        self,
+        prompt: PreparedPrompt | Sequence[int] | Any,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        max_resumes: int = 0,
+    ) -> GenerateResult:
+        """One completion. Text-only output, logprobs always on.
+
+        ``max_resumes`` > 0 continues a sample the server finished with ``abort`` (up to that many
+        times) using the remaining token budget; see ``resume``.
+        """
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = PreparedPrompt.build(prompt, None, vocab_size=self.vocab_size)
+        sampling = filter_sampling_params(sampling_params)
+        chunks = build_generate_body(prompt, sampling, metadata=metadata, model=self.model)
+        _, body, attempts = await self._send(
+            "POST",
+            "/generate",
+            chunks=chunks,
+            admin=False,
+            retry=Retry.ALL,
+            read_timeout=self.timeouts.generate,
+            abort_epoch=self._abort_epoch,
+        )
+        result = parse_generate_response(body, attempts=attempts)
+        if result.prompt_tokens != len(prompt.input_ids):
+            raise ResponseContractError(
+                f"/generate: prompt_tokens={result.prompt_tokens} but {len(prompt.input_ids)} input_ids were sent",
+                route="/generate",
+                status_code=200,
+                detail=body,
+            )
+        resumes = 0
+        while result.finish_reason == "abort" and resumes < max_resumes:
+            resumes += 1
+            result = await self.resume(prompt, result, sampling_params, metadata=metadata)
+        return result
+
+    async def resume(
+        self,
+        prompt: PreparedPrompt,
+        partial: GenerateResult,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> GenerateResult:
+        """Continue an aborted or truncated sample: prompt + already generated ids as the new
+        prompt, ``max_new_tokens`` reduced by what was generated, results concatenated.
+
+        ``sampling_params['max_new_tokens']`` is the sample's TOTAL budget. A sample that stopped
+        naturally, or already used the whole budget, is returned unchanged.
+        """
+        sampling = filter_sampling_params(sampling_params)
+        if "max_new_tokens" not in sampling:
+            raise ClientValidationError(
+                "resume: sampling_params must give max_new_tokens (the sample's total token budget)"
+            )
+        remaining = sampling["max_new_tokens"] - len(partial.token_ids)
+        if partial.finish_reason == "stop" or remaining <= 0:
+            return partial
+        continuation = await self.generate(
+            prompt.continued(partial.token_ids),
+            {**sampling, "max_new_tokens": remaining},
+            metadata=metadata,
+        )
+        return concat_results(partial, continuation)
+
+    async def generate_group(
+        self,
+        prompt: PreparedPrompt,
+        n: int,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
+        metadata: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        max_resumes: int = 0,
+    ) -> list[GenerateResult]:
+        """``n`` samples of one prompt, encoded once, in order. If any sample fails for good the
+        others are cancelled and the error raised (a group is never returned short)."""
+        sampling = dict(sampling_params or {})
+        if seeds is not None:
+            if len(seeds) != n:
+                raise ClientValidationError(f"seeds: expected {n} seeds, got {len(seeds)}")
+        elif sampling.get("seed") is not None and n > 1:
+            raise ClientValidationError(
+                "sampling_params['seed'] with n > 1 would give n identical samples; pass seeds=[...] instead"
+            )
+        if metadata is None or isinstance(metadata, Mapping):
+            metadatas = [metadata] * n
+        else:
+            metadatas = list(metadata)
+            if len(metadatas) != n:
+                raise ClientValidationError(
+                    f"metadata: expected {n} mappings, got {len(metadatas)}"
+                )
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(
+                    self.generate(
+                        prompt,
+                        sampling if seeds is None else {**sampling, "seed": seeds[i]},
+                        metadata=metadatas[i],
+                        max_resumes=max_resumes,
+                    )
+                )
+                for i in range(n)
+            ]
+        return [t.result() for t in tasks]
+
+    # ------------------------------------------------------------------ health and info
+
+    async def health(self) -> HealthStatus:
+        """``GET /health`` (never /health_generate or /get_server_info: sglang-omni has neither)."""
+        try:
+            response = await self._http.get("/health", timeout=self.timeouts.connect + 5)
+        except httpx.TransportError as exc:
+            return HealthStatus(ok=False, status_code=0, body=f"{type(exc).__name__}: {exc}")
+        return HealthStatus(
+            ok=response.status_code == 200,
+            status_code=response.status_code,
+            body=_response_body(response),
+        )
+
+    async def wait_until_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> HealthStatus:
+        """Poll /health until 200 (0.1.9 answers 503 "starting" while loading)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            status = await self.health()
+            if status.ok:
+                return status
+            if loop.time() >= deadline:
+                raise TransientServerError(
+                    f"/health not ready after {timeout_s}s: {status.status_code} {status.body!r}"[
+                        :1000
+                    ],
+                    route="/health",
+                    status_code=status.status_code or None,
+                    attempts=0,
+                )
+            await asyncio.sleep(poll_s)
+
+    async def model_info(self, stages: Sequence[str] | None = None) -> ModelInfo:
+        """``/model_info``: weight version, model path, and the thinker TP size per worker."""
+        if stages is None:
+            _, body, _ = await self._send(
+                "GET", "/model_info", admin=True, retry=Retry.ALL, read_timeout=self.timeouts.admin
+            )
+        else:
+            _, body, _ = await self._send(
+                "POST",
+                "/model_info",
+                json_body={"stages": list(stages)},
+                admin=True,
+                retry=Retry.ALL,
+                read_timeout=self.timeouts.admin,
+            )
+        reply = parse_admin_reply("/model_info", 200, body)
+        tp = tuple(
+            int(d["stage_tp_size"])
+            for d in reply.stage_data("thinker")
+            if d.get("stage_tp_size") is not None
+        )
+        return ModelInfo(
+            weight_version=body.get("weight_version"),
+            model_path=body.get("model_path"),
+            load_format=body.get("load_format"),
+            thinker_tp_sizes=tp,
+            reply=reply,
+        )
+
+    async def weight_version(self) -> str | None:
+        return (await self.model_info()).weight_version
+
+    async def list_workers(self) -> list[dict[str, Any]]:
+        """Router only: ``GET /workers`` (a bare worker answers 404)."""
+        _, body, _ = await self._send(
+            "GET", "/workers", admin=False, retry=Retry.ALL, read_timeout=self.timeouts.admin
+        )
+        return list(body.get("workers") or [])
+
+    async def worker_clients(self) -> list[OmniRolloutClient]:
+        """One client per routable router worker (multi-replica refit must address each)."""
+        return [
+            self.clone_for(w["url"]) for w in await self.list_workers() if w.get("routable", True)
+        ]
+
+    # ------------------------------------------------------------------ pause / continue
+
+    async def _admin(
+        self,
+        route: str,
+        payload: dict[str, Any],
+        *,
+        retry: Retry,
+        stages: Sequence[str] | None | bool = True,
+    ) -> AdminReply:
+        body = dict(payload)
+        scope = self.stages if stages is True else stages
+        if scope is not None and scope is not False:
+            body["stages"] = list(scope)
+        status, reply_body, _ = await self._send(
+            "POST", route, json_body=body, admin=True, retry=retry, read_timeout=self.timeouts.admin
+        )
+        reply = parse_admin_reply(route, status, reply_body)
+        if not reply.success:  # a 2xx whose envelope says failure (defensive; servers send 400/502)
+            raise admin_failure(reply)
+        return reply
+
+    async def pause_generation(
+        self, mode: str, *, stages: Sequence[str] | None | bool = True
+    ) -> AdminReply:
+        """``abort`` drops every active request (their /generate gets a 500), ``retract`` moves the
+        running batch back to the queue (updates then allowed; the requests finish later with the
+        new weights), ``in_place`` only pauses. New /generate calls block until continue."""
+        if mode not in PAUSE_MODES:
+            raise ClientValidationError(
+                f"pause_generation: mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}"
+            )
+        if mode == "abort":
+            self._abort_epoch += 1
+        return await self._admin(
+            "/pause_generation", {"mode": mode}, retry=Retry.ALL, stages=stages
+        )
+
+    async def continue_generation(
+        self, *, torch_empty_cache: bool = True, stages: Sequence[str] | None | bool = True
+    ) -> AdminReply:
+        return await self._admin(
+            "/continue_generation",
+            {"torch_empty_cache": torch_empty_cache},
+            retry=Retry.ALL,
+            stages=stages,
+        )
+
+    async def abort_all(self) -> AdminReply:
+        """End-of-rollout abort: pause(abort) then continue (sglang-omni has no /abort_request).
+        Continue is sent even if the pause failed, so the engine is not left paused."""
+        try:
+            await self.pause_generation("abort")
+        finally:
+            reply = await self.continue_generation()
+        return reply
+
+    # ------------------------------------------------------------------ weight updates
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        rank_offset: int = 0,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> AdminReply:
+        """Blocks on the server until the trainer joins the group: run it concurrently with the
+        trainer's own ``init_process_group``. On a router with several workers use
+        ``init_weights_update_groups`` (one call per worker, distinct rank offsets)."""
+        payload = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "world_size": int(world_size),
+            "rank_offset": int(rank_offset),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._admin("/init_weights_update_group", payload, retry=Retry.CONNECT)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+    ) -> AdminReply:
+        """The trainer must broadcast each tensor from rank 0 in ``names`` order meanwhile.
+        Refused (``ActiveRequestsError``) while requests are active unless paused with retract;
+        on failure the engine stays paused (``EnginePausedError``)."""
+        dtype_names = [str(d).removeprefix("torch.") for d in dtypes]
+        if not names or not (len(names) == len(dtype_names) == len(shapes)):
+            raise ClientValidationError(
+                f"update_weights_from_distributed: names/dtypes/shapes must be non-empty and equal length, got {len(names)}/{len(dtype_names)}/{len(shapes)}"
+            )
+        payload: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": dtype_names,
+            "shapes": [[int(d) for d in s] for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self._admin("/update_weights_from_distributed", payload, retry=Retry.CONNECT)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> AdminReply:
+        return await self._admin(
+            "/destroy_weights_update_group", {"group_name": group_name}, retry=Retry.CONNECT
+        )
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        keep_pause: bool = False,
+        flush_cache: bool = True,
+        load_format: str | None = None,
+    ) -> AdminReply:
+        payload: dict[str, Any] = {
+            "model_path": str(model_path),
+            "abort_all_requests": abort_all_requests,
+            "keep_pause": keep_pause,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self._admin("/update_weights_from_disk", payload, retry=Retry.CONNECT)
+
+    async def weights_checksum(self) -> AdminReply:
+        """``/weights_checker`` checksum (SHA256 over names, dtypes, shapes, bytes) per stage:
+        the way to catch names the server dropped silently during a refit."""
+        return await self._admin("/weights_checker", {"action": "checksum"}, retry=Retry.ALL)
+
+    # ------------------------------------------------------------------ plain-sglang no-ops
+
+    async def flush_cache(self) -> None:
+        """No-op: sglang-omni has no /flush_cache (404); the update requests flush themselves
+        (``flush_cache=True``)."""
+
+    async def begin_weight_update(self) -> None:
+        """No-op: /begin_weight_update does not exist on sglang-omni (404)."""
+
+    async def end_weight_update(self) -> None:
+        """No-op: /end_weight_update does not exist on sglang-omni (404)."""
+
+    async def get_server_info(self) -> None:
+        """No-op: /get_server_info is a 404 on sglang-omni (a client that retried it hung the
+        original design's attach); use ``model_info()``."""
+
+
+async def init_weights_update_groups(
+    clients: Sequence[OmniRolloutClient],
+    master_address: str,
+    master_port: int,
+    *,
+    group_name: str = "weight_update_group",
+    backend: str = "nccl",
+    tp_sizes: Sequence[int] | None = None,
+) -> tuple[RankPlan, list[AdminReply]]:
+    """Join several workers to one group: each directly, with its own rank offset (the router
+    refuses multi-worker init). The trainer is rank 0 and must run ``init_process_group`` with
+    ``plan.world_size`` concurrently (call ``plan_weight_sync_ranks`` first to know it)."""
+    if tp_sizes is None:
+        infos = await asyncio.gather(*(c.model_info() for c in clients))
+        tp_sizes = [max(info.thinker_tp_sizes or (1,)) for info in infos]
+    plan = plan_weight_sync_ranks(tp_sizes)
+    replies = await asyncio.gather(
+        *(
+            c.init_weights_update_group(
+                master_address,
+                master_port,
+                plan.world_size,
+                rank_offset=offset,
+                group_name=group_name,
+                backend=backend,
+            )
+            for c, offset in zip(clients, plan.rank_offsets, strict=True)
+        )
+    )
+    return plan, list(replies)

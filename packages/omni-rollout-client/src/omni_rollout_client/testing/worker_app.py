@@ -1,0 +1,883 @@
+"""A fake sglang-omni 0.1.9 worker (thinker only, no model) as a Starlette app.
+
+It reproduces the HTTP contract a rollout client depends on (contract §1-§4, §7, §10): status
+codes and bodies of /generate, the admin envelope, pause/abort/retract semantics, the weight-update
+lifecycle (refused while requests are active unless paused with retract, engine kept paused after
+a failed distributed update), admin auth, and FastAPI-style 404s for plain-sglang routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import math
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from . import contract as C
+from .faults import Faults
+from .generator import FakeRequest, Generator, make_hash_generator
+
+TEXT_ONLY_STAGES = (
+    "preprocessing",
+    "image_encoder",
+    "audio_encoder",
+    "mm_aggregate",
+    "thinker",
+    "decode",
+)
+SPEECH_STAGES = (*TEXT_ONLY_STAGES, "talker_ar", "code2wav")
+AR_STAGES = frozenset({"thinker", "talker_ar"})
+MM_NAMES = frozenset(
+    {
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "video_second_per_grid",
+        "input_features",
+        "feature_attention_mask",
+        "audio_feature_lengths",
+    }
+)
+META_PAYLOAD = {
+    "image_grid_thw": "image",
+    "video_grid_thw": "image",
+    "video_second_per_grid": "image",
+    "feature_attention_mask": "audio",
+    "audio_feature_lengths": "audio",
+}
+NUMPY_OF_WIRE = {
+    "float64": "<f8",
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "int64": "<i8",
+    "int32": "<i4",
+    "int16": "<i2",
+    "int8": "i1",
+    "uint8": "u1",
+    "bool": "?",
+}
+UPDATE_ACTIONS = frozenset(
+    {
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "update_weights_from_distributed",
+        "update_weights_from_disk",
+    }
+)
+MAX_STOP_STRINGS = 32
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, detail: Any, headers: dict[str, str] | None = None):
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+class Aborted(Exception):
+    """The request was dropped by pause(abort) or abort_all_requests."""
+
+
+def _validation_422(exc: ValidationError) -> JSONResponse:
+    errors = []
+    for err in exc.errors(include_url=False, include_context=False):
+        item = {"type": err["type"], "loc": ["body", *err["loc"]], "msg": err["msg"]}
+        if len(repr(err.get("input"))) < 200:
+            item["input"] = err.get("input")
+        errors.append(item)
+    return JSONResponse({"detail": json.loads(json.dumps(errors, default=str))}, status_code=422)
+
+
+@dataclass
+class ActiveRequest:
+    rid: str
+    aborted: bool = False
+    retracted: bool = False
+
+
+@dataclass
+class GenerationRecord:
+    """What the server saw and produced for one executed /generate (for test assertions)."""
+
+    rid: str
+    request_index: int
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    metadata: dict[str, Any] | None
+    tensor_digests: dict[str, tuple[str, list[int], str]]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    weight_version: str | None = None
+    outcome: str = "running"  # ok | aborted | dropped | error
+
+
+class FakeEngine:
+    """Server state, touched only on the server's event loop (tests read snapshots)."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        eos_token_id: int,
+        max_seq_len: int,
+        generator: Generator | None,
+        token_delay_s: float,
+        max_inflight: int | None,
+        tp_size: int,
+        speech: bool,
+        model_path: str,
+    ):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.max_seq_len = max_seq_len
+        self.generator = generator or make_hash_generator(vocab_size, eos_token_id)
+        self.token_delay_s = token_delay_s
+        self.max_inflight = max_inflight
+        self.tp_size = tp_size
+        self.stages = SPEECH_STAGES if speech else TEXT_ONLY_STAGES
+        self.weight_versions = {s: "default" for s in AR_STAGES if s in self.stages}
+        self.model_path = model_path
+        self.load_format: str | None = None
+        self.paused = False
+        self.pause_mode: str | None = None
+        self.groups: dict[str, dict[str, Any]] = {}
+        self.active: dict[str, ActiveRequest] = {}
+        self.records: list[GenerationRecord] = []
+        self.admin_log: list[tuple[str, dict[str, Any]]] = []
+        self.request_counter = 0
+        self._lock = threading.Lock()
+        self._resume: asyncio.Event | None = None
+
+    # -- pause gate
+    def _event(self) -> asyncio.Event:
+        if self._resume is None:
+            self._resume = asyncio.Event()
+            self._resume.set()
+        return self._resume
+
+    async def gate(self, req: ActiveRequest) -> None:
+        while True:
+            if req.aborted:
+                raise Aborted
+            if not self.paused:
+                return
+            event = self._event()
+            event.clear()
+            await event.wait()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if not paused:
+            self._event().set()
+
+    def abort_all(self) -> int:
+        for req in self.active.values():
+            req.aborted = True
+        self._event().set()  # wake blocked requests so they see the abort
+        if self.paused:
+            self._event().clear()
+        return len(self.active)
+
+
+class FakeWorkerApp:
+    """Builds the Starlette app around a ``FakeEngine``."""
+
+    def __init__(
+        self,
+        engine: FakeEngine,
+        faults: Faults,
+        *,
+        admin_api_key: str | None = None,
+        startup_delay_s: float = 0.0,
+    ):
+        self.engine = engine
+        self.faults = faults
+        self._admin_key = admin_api_key
+        self.startup_delay_s = startup_delay_s
+        self._started_at: float | None = None
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/generate", self.generate, methods=["POST"]),
+            Route("/model_info", self.model_info, methods=["GET", "POST"]),
+            Route(
+                "/pause_generation",
+                self.admin_route("pause_generation", C.PauseModel),
+                methods=["POST"],
+            ),
+            Route(
+                "/continue_generation",
+                self.admin_route("continue_generation", C.ContinueModel),
+                methods=["POST"],
+            ),
+            Route(
+                "/update_weights_from_disk",
+                self.admin_route("update_weights_from_disk", C.DiskUpdateModel),
+                methods=["POST"],
+            ),
+            Route(
+                "/update_weights_from_distributed",
+                self.admin_route("update_weights_from_distributed", C.DistributedUpdateModel),
+                methods=["POST"],
+            ),
+            Route(
+                "/init_weights_update_group",
+                self.admin_route("init_weights_update_group", C.InitGroupModel),
+                methods=["POST"],
+            ),
+            Route(
+                "/destroy_weights_update_group",
+                self.admin_route("destroy_weights_update_group", C.DestroyGroupModel),
+                methods=["POST"],
+            ),
+            Route("/weights_checker", self.weights_checker, methods=["GET", "POST"]),
+            Route("/update_weights_from_tensor", self.update_from_tensor, methods=["POST"]),
+        ]
+        self.app = Starlette(
+            routes=routes,
+            exception_handlers={
+                404: self._not_found,
+                405: self._not_allowed,
+                HTTPError: self._http_error,
+            },
+        )
+
+    # -- plumbing
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        self.engine.admin_log.append((request.url.path, {"status": 404}))
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return JSONResponse({"detail": "Method Not Allowed"}, status_code=405)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPError)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+
+    def _check_auth(self, request: Request) -> None:
+        if not self._admin_key:
+            return
+        header = request.headers.get("authorization") or ""
+        parts = header.split(None, 1)
+        if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1]:
+            raise HTTPError(
+                401,
+                "Admin API key required: Authorization: Bearer <key>",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        if not hmac.compare_digest(parts[1].encode(), self._admin_key.encode()):
+            raise HTTPError(403, "Invalid admin API key")
+
+    @staticmethod
+    async def _json(request: Request) -> Any:
+        raw = await request.body()
+        if not raw:
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise HTTPError(
+                422,
+                [
+                    {
+                        "type": "json_invalid",
+                        "loc": ["body", 0],
+                        "msg": "JSON decode error",
+                        "input": {},
+                        "ctx": {"error": str(exc)},
+                    }
+                ],
+            ) from exc
+
+    def _starting(self) -> bool:
+        loop_time = asyncio.get_running_loop().time()
+        if self._started_at is None:
+            self._started_at = loop_time
+        return loop_time - self._started_at < self.startup_delay_s
+
+    async def _apply_fault(self, route: str) -> Any:
+        fault = self.faults.take(route)
+        if fault is None:
+            return None
+        if fault.kind == "delay":
+            await asyncio.sleep(fault.seconds)
+            return None
+        if fault.kind == "status":
+            raise HTTPError(fault.status, f"injected fault: HTTP {fault.status}")
+        return fault
+
+    # -- public routes
+    async def health(self, request: Request) -> Response:
+        if self._starting():
+            return JSONResponse({"status": "starting", "running": False}, status_code=503)
+        return JSONResponse({"status": "healthy", "running": True})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": "fake-qwen3-omni",
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "sglang-omni",
+                        "root": "fake-qwen3-omni",
+                    }
+                ],
+            }
+        )
+
+    async def generate(self, request: Request) -> Response:
+        fault = await self._apply_fault("/generate")
+        body = await self._json(request)
+        try:
+            req = C.GenerateRequestModel.model_validate(body)
+        except ValidationError as exc:
+            return _validation_422(exc)
+        if sum(v is not None for v in (req.input_ids, req.prompt, req.messages)) != 1:
+            raise HTTPError(400, "exactly one of input_ids, prompt, or messages is required")
+        if req.stream:
+            raise HTTPError(400, "stream=true is not supported by /generate yet")
+        if req.return_omni_rollout:
+            raise HTTPError(
+                501,
+                "backend did not return requested logprobs; expected output_token_logprobs for text or meta_info.omni_rollout for audio (set return_omni_rollout=true for audio logprobs)",
+            )
+        metadata = dict(req.metadata) if req.metadata else {}
+        if "omni_session" in metadata:
+            raise HTTPError(400, "request metadata key 'omni_session' is reserved")
+        sp = req.sampling_params
+        temperature = 0.0 if sp.temperature is None else sp.temperature  # omitted = greedy on 0.1.9
+        if temperature > 0 and sp.top_k is not None and (sp.top_k == 0 or sp.top_k < -1):
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        if sp.repetition_penalty is not None and sp.repetition_penalty > 2:
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise HTTPError(400, f"too many stop strings: {len(stop)} > {MAX_STOP_STRINGS}")
+        max_new = sp.max_new_tokens or sp.max_tokens or 2048
+        tensors: dict[str, np.ndarray] = {}
+        digests: dict[str, tuple[str, list[int], str]] = {}
+        if req.prompt is not None:
+            return PlainTextResponse(
+                "Internal Server Error", status_code=500
+            )  # Qwen3-Omni preprocessing cannot take a raw prompt
+        if req.messages is not None:
+            text = json.dumps([m.model_dump() for m in req.messages])
+            input_ids = [b % self.engine.vocab_size for b in text.encode()]
+        else:
+            input_ids = list(req.input_ids or [])
+        if req.multimodal_train_inputs is not None:
+            if req.input_ids is None:
+                raise HTTPError(
+                    400,
+                    "multimodal_train_inputs requires prompt_token_ids (the processor-expanded input_ids)",
+                )
+            unknown = set(req.multimodal_train_inputs.tensors) - MM_NAMES
+            if unknown:
+                raise HTTPError(
+                    400, "unknown multimodal_train_inputs tensors: " + ", ".join(sorted(unknown))
+                )
+            for name, spec in sorted(req.multimodal_train_inputs.tensors.items()):
+                raw = base64.b64decode(spec.data)
+                if math.prod(spec.shape) == 0:
+                    return PlainTextResponse("Internal Server Error", status_code=500)
+                tensors[name] = np.frombuffer(raw, dtype=NUMPY_OF_WIRE[spec.dtype]).reshape(
+                    spec.shape
+                )
+                digests[name] = (spec.dtype, list(spec.shape), hashlib.sha256(raw).hexdigest())
+            has_image = "pixel_values" in tensors or "pixel_values_videos" in tensors
+            has_audio = "input_features" in tensors
+            for meta, kind in META_PAYLOAD.items():
+                if meta in tensors and kind == "image" and not has_image:
+                    raise HTTPError(
+                        400,
+                        "multimodal_train_inputs provides image/video metadata without pixel_values or pixel_values_videos",
+                    )
+                if meta in tensors and kind == "audio" and not has_audio:
+                    raise HTTPError(
+                        400,
+                        "multimodal_train_inputs provides audio metadata without input_features",
+                    )
+            if "feature_attention_mask" in tensors and tensors["feature_attention_mask"].ndim != 2:
+                return PlainTextResponse("Internal Server Error", status_code=500)
+        if any(t >= self.engine.vocab_size for t in input_ids):
+            raise HTTPError(
+                400, f"token id out of vocabulary (vocab_size={self.engine.vocab_size})"
+            )
+        if (
+            len(input_ids) >= self.engine.max_seq_len
+            or len(input_ids) + max_new >= self.engine.max_seq_len
+        ):
+            raise HTTPError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of {self.engine.max_seq_len} tokens. You requested a total of {len(input_ids) + max_new} tokens: {len(input_ids)} tokens from the input messages and {max_new} tokens for the completion.",
+            )
+        engine = self.engine
+        if engine.max_inflight is not None and len(engine.active) >= engine.max_inflight:
+            raise HTTPError(503, "request queue is full")
+
+        with engine._lock:
+            index = engine.request_counter
+            engine.request_counter += 1
+        rid = str(uuid.uuid4())
+        active = ActiveRequest(rid)
+        engine.active[rid] = active
+        record = GenerationRecord(
+            rid=rid,
+            request_index=index,
+            input_ids=input_ids,
+            sampling={
+                **sp.model_dump(exclude_none=True),
+                "temperature": temperature,
+                "max_new_tokens": max_new,
+            },
+            metadata=req.metadata,
+            tensor_digests=digests,
+        )
+        engine.records.append(record)
+        try:
+            fake_req = FakeRequest(
+                index,
+                input_ids,
+                temperature,
+                sp.seed,
+                max_new,
+                list(sp.stop_token_ids or []),
+                tensors,
+                req.metadata,
+            )
+            gen = engine.generator(fake_req)
+            tokens, logprobs = list(gen.token_ids)[:max_new], list(gen.logprobs)[:max_new]
+            if len(tokens) != len(logprobs):
+                raise HTTPError(
+                    500,
+                    f"backend returned output_token_logprobs length {len(logprobs)} for completion_tokens={len(tokens)}",
+                )
+            finish = gen.finish_reason or (
+                "length"
+                if len(tokens) >= max_new and (not tokens or tokens[-1] != engine.eos_token_id)
+                else "stop"
+            )
+            if fault is not None and fault.kind == "abort_finish":
+                keep = min(fault.after_tokens, len(tokens))
+                tokens, logprobs, finish = tokens[:keep], logprobs[:keep], "abort"
+            for _ in range(max(1, len(tokens))):
+                await engine.gate(active)
+                if engine.token_delay_s:
+                    await asyncio.sleep(engine.token_delay_s)
+            await engine.gate(active)
+        except Aborted:
+            record.outcome = "aborted"
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        finally:
+            engine.active.pop(rid, None)
+        record.token_ids, record.finish_reason = tokens, finish
+        record.weight_version = engine.weight_versions["thinker"]
+        content = {
+            "text": " ".join(f"<{t}>" for t in tokens if t != engine.eos_token_id),
+            "audio": None,
+            "meta_info": {
+                "finish_reason": {
+                    "type": finish,
+                    "length": len(tokens) if finish == "length" else None,
+                },
+                "prompt_tokens": len(input_ids),
+                "completion_tokens": len(tokens),
+                "cached_tokens": 0,
+                "weight_version": record.weight_version,
+                "request_metadata": req.metadata,
+                "output_token_logprobs": [[lp, t] for lp, t in zip(logprobs, tokens, strict=True)]
+                if req.return_logprob
+                else None,
+                "omni_rollout": None,
+            },
+        }
+        if fault is not None and fault.kind == "drop":
+            record.outcome = "dropped"
+            return _DroppedResponse(json.dumps(content).encode())
+        record.outcome = "ok"
+        return JSONResponse(content)
+
+    # -- admin
+    def _resolve_stages(self, stages: list[str] | None) -> list[str]:
+        if stages is None:
+            return list(self.engine.stages)
+        unknown = sorted(set(stages) - set(self.engine.stages))
+        if unknown:
+            raise HTTPError(500, f"Unknown admin target stage(s): {unknown}")
+        return list(dict.fromkeys(stages))
+
+    def _envelope(
+        self, action: str, stages: list[str], per_stage: dict[str, dict[str, Any]]
+    ) -> dict[str, Any]:
+        op_id = str(uuid.uuid4())
+        results = []
+        for stage in stages:
+            res = per_stage.get(stage) or {
+                "success": True,
+                "message": "skipped",
+                "data": {"skipped": True, "unsupported": True},
+                "error": None,
+            }
+            results.append(
+                {
+                    "op_id": op_id,
+                    "stage": stage,
+                    "action": action,
+                    "success": res["success"],
+                    "message": res.get("message", ""),
+                    "data": res.get("data", {}),
+                    "error": res.get("error"),
+                    "rank": 0,
+                    "role": None,
+                }
+            )
+        acting = [
+            r for r in results if not r["data"].get("skipped") and not r["data"].get("unsupported")
+        ]
+        success = (
+            bool(acting) and all(r["success"] for r in acting)
+            if action in UPDATE_ACTIONS
+            else all(r["success"] for r in results)
+        )
+        errors = [r["error"] for r in results if r["error"]]
+        message = (
+            "ok"
+            if success
+            else ("; ".join(errors) if errors else "admin operation did not complete successfully")
+        )
+        return {
+            "op_id": op_id,
+            "action": action,
+            "success": success,
+            "message": message,
+            "results": results,
+        }
+
+    def admin_route(self, action: str, model: type[BaseModel]):
+        async def handler(request: Request) -> Response:
+            self._check_auth(request)
+            fault = await self._apply_fault(request.url.path)
+            del fault
+            try:
+                req = model.model_validate(await self._json(request))
+            except ValidationError as exc:
+                return _validation_422(exc)
+            payload = req.model_dump(exclude={"stages", "timeout_s"}, exclude_none=True)
+            self.engine.admin_log.append(
+                (request.url.path, {**payload, "stages": getattr(req, "stages", None)})
+            )
+            try:
+                stages = self._resolve_stages(req.stages)
+            except HTTPError:
+                return PlainTextResponse(
+                    "Internal Server Error", status_code=500, headers={"Connection": "close"}
+                )
+            per_stage = {
+                s: getattr(self, f"_do_{action}")(s, payload) for s in stages if s in AR_STAGES
+            }
+            envelope = self._envelope(action, stages, per_stage)
+            if not envelope["success"]:
+                raise HTTPError(400, envelope)
+            return JSONResponse(envelope)
+
+        return handler
+
+    def _do_pause_generation(self, stage: str, payload: dict[str, Any]) -> dict[str, Any]:
+        mode = str(payload.get("mode") or "abort")
+        if mode not in {"abort", "retract", "in_place"}:
+            return {
+                "success": False,
+                "message": f"invalid pause mode: {mode}",
+                "error": f"invalid pause mode: {mode}",
+            }
+        engine = self.engine
+        engine.set_paused(True)
+        engine.pause_mode = mode
+        num = 0
+        if stage == "thinker":
+            if mode == "abort":
+                num = engine.abort_all()
+            elif mode == "retract":
+                for req in engine.active.values():
+                    req.retracted = True
+                num = len(engine.active)
+        return {
+            "success": True,
+            "message": "generation paused",
+            "data": {"mode": mode, "num_paused_requests": num, "engine_paused": True},
+        }
+
+    def _do_continue_generation(self, stage: str, payload: dict[str, Any]) -> dict[str, Any]:
+        self.engine.set_paused(False)
+        self.engine.pause_mode = None
+        return {
+            "success": True,
+            "message": "generation continued",
+            "data": {"engine_paused": False},
+        }
+
+    def _lifecycle(
+        self,
+        stage: str,
+        payload: dict[str, Any],
+        update,
+        result_data: dict[str, Any],
+        *,
+        keep_pause_on_failure: bool,
+    ) -> dict[str, Any]:
+        engine = self.engine
+        previous, previous_mode = engine.paused, engine.pause_mode
+        keep_pause = bool(payload.get("keep_pause", False))
+        engine.set_paused(True)
+        num = 0
+        if payload.get("abort_all_requests"):
+            num = engine.abort_all() if stage == "thinker" else 0
+        elif engine.active and stage == "thinker" and not (previous and previous_mode == "retract"):
+            if not keep_pause:
+                engine.set_paused(previous)
+            ids = list(engine.active)[:16]
+            return {
+                "success": False,
+                "message": "active requests are present; set abort_all_requests=true or pause_generation with mode=retract before updating weights",
+                "error": "active requests present during weight update",
+                "data": {
+                    "active_request_count": len(engine.active),
+                    "active_request_ids": ids,
+                    "abort_all_requests": False,
+                    "pause_mode": previous_mode,
+                    "engine_paused": engine.paused,
+                },
+            }
+        success, message = update(stage, payload)
+        stay_paused = keep_pause or (keep_pause_on_failure and not success)
+        engine.set_paused(True if stay_paused else previous)
+        data = {
+            "num_paused_requests": num,
+            "flush_cache": payload.get("flush_cache", True),
+            "flush_success": True if success else None,
+            "keep_pause": keep_pause,
+            "engine_paused": engine.paused,
+            **result_data,
+        }
+        return {
+            "success": success,
+            "message": message,
+            "data": data,
+            "error": None if success else message,
+        }
+
+    def _set_version(self, stage: str, payload: dict[str, Any]) -> None:
+        if payload.get("weight_version") is not None:
+            self.engine.weight_versions[stage] = str(payload["weight_version"])
+
+    def _do_update_weights_from_distributed(
+        self, stage: str, payload: dict[str, Any]
+    ) -> dict[str, Any]:
+        def update(stage: str, p: dict[str, Any]) -> tuple[bool, str]:
+            names, dtypes, shapes = p["names"], p["dtypes"], p["shapes"]
+            if not names or not (len(names) == len(dtypes) == len(shapes)):
+                return (
+                    False,
+                    f"names, dtypes and shapes must be non-empty and of equal length ({len(names)}, {len(dtypes)}, {len(shapes)})",
+                )
+            if p.get("group_name") not in self.engine.groups:
+                return False, f"weight update group {p.get('group_name')!r} is not initialized"
+            self._set_version(stage, p)
+            return True, "Succeeded to update parameter online."
+
+        return self._lifecycle(
+            stage,
+            payload,
+            update,
+            {"group_name": payload.get("group_name"), "names": payload.get("names", [])},
+            keep_pause_on_failure=True,
+        )
+
+    def _do_update_weights_from_disk(self, stage: str, payload: dict[str, Any]) -> dict[str, Any]:
+        def update(stage: str, p: dict[str, Any]) -> tuple[bool, str]:
+            if not Path(p["model_path"]).exists():
+                return (
+                    False,
+                    f"Failed to update weights: model path {p['model_path']!r} does not exist",
+                )
+            self.engine.model_path = p["model_path"]
+            self.engine.load_format = p.get("load_format")
+            self._set_version(stage, p)
+            return True, "Succeeded to update model weights."
+
+        return self._lifecycle(
+            stage,
+            payload,
+            update,
+            {
+                "model_path": payload.get("model_path"),
+                "weight_version": payload.get("weight_version"),
+                "token_step": payload.get("token_step"),
+            },
+            keep_pause_on_failure=False,
+        )
+
+    def _do_init_weights_update_group(self, stage: str, payload: dict[str, Any]) -> dict[str, Any]:
+        world, offset = payload["world_size"], payload.get("rank_offset", 0)
+        data = {"group_name": payload.get("group_name"), "world_size": world, "rank_offset": offset}
+        if stage != "thinker":
+            # A real speech pipeline would join the talker with the thinker's offset and hang.
+            msg = f"rank collision: {stage} would join {payload.get('group_name')!r} with the thinker's rank_offset {offset}; scope the request to stages=['thinker']"
+            return {"success": False, "message": msg, "data": data, "error": msg}
+        if offset < 1 or offset + self.engine.tp_size > world:
+            msg = f"invalid ranks: rank_offset {offset} + tp_size {self.engine.tp_size} must fit in world_size {world} with the trainer at rank 0"
+            return {"success": False, "message": msg, "data": data, "error": msg}
+        self.engine.groups[payload["group_name"]] = dict(payload)
+        return {
+            "success": True,
+            "message": "Succeeded to initialize custom process group.",
+            "data": data,
+        }
+
+    def _do_destroy_weights_update_group(
+        self, stage: str, payload: dict[str, Any]
+    ) -> dict[str, Any]:
+        name = payload.get("group_name")
+        if self.engine.groups.pop(name, None) is None:
+            msg = f"weight update group {name!r} does not exist"
+            return {"success": False, "message": msg, "data": {"group_name": name}, "error": msg}
+        return {
+            "success": True,
+            "message": "Succeeded to destroy custom process group.",
+            "data": {"group_name": name},
+        }
+
+    def _stage_info(self, stage: str) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "stage_tp_rank": 0,
+            "stage_tp_size": engine.tp_size,
+            "engine_paused": engine.paused,
+            "waiting_queue_size": sum(1 for r in engine.active.values() if engine.paused),
+            "running_batch_size": 0 if engine.paused else len(engine.active),
+            "model_path": engine.model_path,
+            "load_format": engine.load_format,
+            "weight_version": engine.weight_versions[stage],
+        }
+
+    async def model_info(self, request: Request) -> Response:
+        self._check_auth(request)
+        stages = None
+        if request.method == "POST":
+            try:
+                stages = C.AdminBase.model_validate(await self._json(request)).stages
+            except ValidationError as exc:
+                return _validation_422(exc)
+        self.engine.admin_log.append(("/model_info", {"stages": stages}))
+        try:
+            resolved = self._resolve_stages(stages)
+        except HTTPError:
+            return PlainTextResponse(
+                "Internal Server Error", status_code=500, headers={"Connection": "close"}
+            )
+        per_stage = {
+            s: {"success": True, "message": "ok", "data": self._stage_info(s)}
+            for s in resolved
+            if s in AR_STAGES
+        }
+        envelope = self._envelope("model_info", resolved, per_stage)
+        infos = [r["data"] for r in envelope["results"] if not r["data"].get("skipped")]
+        versions = {i["weight_version"] for i in infos if i.get("weight_version") is not None}
+        if len(versions) > 1:
+            raise HTTPError(
+                409,
+                {
+                    "success": False,
+                    "message": "mixed stage weight_version",
+                    "mixed_state": {"weight_version": sorted(versions)},
+                    "stages": infos,
+                    "admin": envelope,
+                },
+            )
+
+        def common(key: str) -> Any:
+            values = {json.dumps(i.get(key)) for i in infos if i.get(key) is not None}
+            return json.loads(next(iter(values))) if len(values) == 1 else None
+
+        return JSONResponse(
+            {
+                **envelope,
+                "weight_version": common("weight_version"),
+                "model_path": common("model_path"),
+                "load_format": common("load_format"),
+                "stages": envelope["results"],
+            }
+        )
+
+    async def weights_checker(self, request: Request) -> Response:
+        self._check_auth(request)
+        if request.method == "GET":
+            payload = {"action": request.query_params.get("action", "checksum")}
+            stages = None
+        else:
+            req = C.CheckerModel.model_validate(await self._json(request))
+            payload, stages = {"action": req.action}, req.stages
+        resolved = self._resolve_stages(stages)
+        per_stage = {
+            s: {
+                "success": True,
+                "message": "ok",
+                "data": {
+                    "action": payload["action"],
+                    "checksum": hashlib.sha256(self.engine.weight_versions[s].encode()).hexdigest(),
+                },
+            }
+            for s in resolved
+            if s in AR_STAGES
+        }
+        envelope = self._envelope("weights_checker", resolved, per_stage)
+        return JSONResponse(envelope)
+
+    async def update_from_tensor(self, request: Request) -> Response:
+        self._check_auth(request)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "update_weights_from_tensor is not yet implemented. Use update_weights_from_disk for the disk-based weight update path.",
+                    "code": "not_implemented",
+                }
+            },
+            status_code=501,
+        )
+
+
+class _DroppedResponse(Response):
+    """Starts a response, sends half the body, then abandons it: the server closes the
+    connection and the client sees a protocol error after the work was done."""
+
+    def __init__(self, content: bytes):
+        super().__init__(content=content, media_type="application/json")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send(
+            {
+                "type": "http.response.body",
+                "body": self.body[: len(self.body) // 2],
+                "more_body": True,
+            }
+        )
+        # returning without completing the body makes uvicorn close the connection
