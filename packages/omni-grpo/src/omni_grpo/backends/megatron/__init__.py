@@ -1,0 +1,19 @@
+"""The Megatron backend: the thinker's language model on megatron-core (TP / EP / SP).
+
+Importing this package never imports megatron-core (an optional extra, Python >= 3.12 wheels):
+the pure parts — config translation (:mod:`.config_map`) and the HF<->Megatron name table with its
+packings (:mod:`.names`) — run anywhere; model building, export and the training step import
+megatron-core through :func:`._mcore.mcore` when first used.
+"""
+
+from omni_grpo.backends.megatron.config_map import MegatronConfigError, MegatronModelArgs, megatron_model_args
+from omni_grpo.backends.megatron.names import NAME_TABLE, NameRule, UnmappedTensorError
+
+__all__ = [
+    "NAME_TABLE",
+    "MegatronConfigError",
+    "MegatronModelArgs",
+    "NameRule",
+    "UnmappedTensorError",
+    "megatron_model_args",
+]
