@@ -40,8 +40,15 @@ GROUP_PATTERNS: dict[str, str] = {
     "expert": r"\d+",
     "i": r"\d+",
     "p": r"weight|bias",
-    # the language-model body below the ``model`` prefix
-    "lm": r"(?:embed_tokens|norm|layers)\..+",
+    # the language-model body below the ``model`` prefix: exactly the Qwen3-MoE decoder parameters,
+    # so a stray name (``...experts.gate_up``) is an error, never a silent pass-through
+    "lm": (
+        r"embed_tokens\.weight|norm\.weight"
+        r"|layers\.\d+\.(?:input_layernorm|post_attention_layernorm)\.weight"
+        r"|layers\.\d+\.self_attn\.(?:[qkvo]_proj\.(?:weight|bias)|[qk]_norm\.weight)"
+        r"|layers\.\d+\.mlp\.gate\.weight"
+        r"|layers\.\d+\.mlp\.(?:gate|up|down)_proj\.weight"  # dense layers (mlp_only_layers)
+    ),
     # the vision-tower parts whose names Omni and Qwen3-VL share
     "vis": r"(?:patch_embed|pos_embed|blocks)\..+",
     "rest": r".+",
