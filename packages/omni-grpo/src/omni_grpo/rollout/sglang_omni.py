@@ -1,0 +1,265 @@
+"""``rollout.engine: sglang-omni`` — rollouts on external sglang-omni servers over HTTP.
+
+Built on ``omni_rollout_client`` (the contract lives there); this module is the trainer-facing
+adapter that turns ``PromptInputs`` into requests and responses into ``Completion``s:
+
+* Each prompt's ids and media tensors are validated and encoded ONCE (``PreparedPrompt``) and
+  the same encoded bundle is sent for its ``n`` samples; a group goes to one server so its
+  content-keyed encoder cache can hit.
+* ``bf16_payload``: pixels and mel features travel as bfloat16 (half the bytes). The server then
+  sees bf16-rounded inputs, so the prompt's ``mm`` tensors are REPLACED IN PLACE by the same
+  rounded values (original dtype kept; bf16 values are exact in float32). The trainer's recompute
+  then sees exactly what the server saw, keeping rollout and trainer logprobs comparable.
+* Sampling params are always explicit (sglang-omni treats an omitted ``temperature`` as greedy)
+  and validated for every group before the first request is sent. With ``sampling.seed`` set,
+  each sample gets its own seed derived from (seed, prompt uid, sample index).
+* Samples the server finished with ``abort`` are resumed (prompt + generated ids, remaining
+  budget) up to ``max_resumes`` times; the completion's ``weight_version`` is that of its last
+  segment.
+* If anything fails mid-rollout, every server gets abort-all (``pause(abort)`` + ``continue``:
+  sglang-omni has no ``/abort_request``) so no orphaned requests keep the servers busy, and the
+  error is raised — a group is never returned short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from omni_grpo.sync.loop import BackgroundLoop
+from omni_grpo.types import Completion, PromptInputs, SamplingConfig
+from omni_rollout_client.client import ModelInfo, OmniRolloutClient, Timeouts
+from omni_rollout_client.payload import BF16_CASTABLE, PreparedPrompt
+from omni_rollout_client.result import GenerateResult
+from omni_rollout_client.sampling import filter_sampling_params
+
+log = logging.getLogger(__name__)
+
+SEED_MODULUS = 1 << 31
+
+
+class SglangOmniEngineError(RuntimeError):
+    """The servers could not produce a complete rollout; nothing partial is returned."""
+
+
+def make_clients(
+    cfg: Any, *, vocab_size: int | None = None, workers: bool = False
+) -> list[OmniRolloutClient]:
+    """Clients from ``SglangOmniConfig``: the router when set (unless ``workers``), else each URL."""
+    key = cfg.admin_api_key.get_secret_value() if cfg.admin_api_key is not None else None
+    timeouts = Timeouts(generate=cfg.timeout_s, admin=cfg.timeout_s)
+    urls = list(cfg.urls) if (workers or not cfg.router_url) else [cfg.router_url]
+    return [
+        OmniRolloutClient(
+            url,
+            admin_api_key=key,
+            max_concurrency=cfg.max_concurrency,
+            timeouts=timeouts,
+            vocab_size=vocab_size,
+        )
+        for url in urls
+    ]
+
+
+def sample_seeds(seed: int | None, uid: str, n: int) -> list[int] | None:
+    """Distinct, reproducible per-sample seeds (None when the config sets no seed)."""
+    if seed is None:
+        return None
+    base = (seed * 1_000_003 + zlib.crc32(uid.encode())) * max(n, 1)
+    return [(base + i) % SEED_MODULUS for i in range(n)]
+
+
+def sampling_params(sampling: SamplingConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The ``sampling_params`` sent to the server, validated (raises before anything is sent).
+
+    ``seed`` is left out here: it is set per sample. ``temperature`` is always explicit.
+    """
+    if isinstance(sampling, SamplingConfig):
+        raw: dict[str, Any] = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "max_new_tokens": sampling.max_new_tokens,
+        }
+        if sampling.stop_token_ids:
+            raw["stop_token_ids"] = list(sampling.stop_token_ids)
+    else:
+        raw = {k: v for k, v in sampling.items() if k != "seed"}
+    params = filter_sampling_params(raw)
+    if "max_new_tokens" not in params:
+        # The server default is 2048, and resume needs the total budget: always send it.
+        raise ValueError("sampling: max_new_tokens must be given (the sample's total token budget)")
+    return params
+
+
+def _seed_of(sampling: SamplingConfig | Mapping[str, Any]) -> int | None:
+    return sampling.seed if isinstance(sampling, SamplingConfig) else sampling.get("seed")
+
+
+class SglangOmniEngine:
+    """``RolloutEngine`` over sglang-omni servers (``rollout.sglang`` = ``SglangOmniConfig``)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        vocab_size: int | None = None,
+        max_resumes: int = 2,
+        loop: BackgroundLoop | None = None,
+        clients: Sequence[OmniRolloutClient] | None = None,
+    ) -> None:
+        if not (cfg.urls or cfg.router_url) and clients is None:
+            raise ValueError("rollout.sglang: set urls (worker URLs) or router_url")
+        self.cfg = cfg
+        self.bf16_payload = bool(cfg.bf16_payload)
+        self.max_resumes = max_resumes
+        self._own_loop = loop is None
+        self.loop = loop or BackgroundLoop("omni-grpo-rollout")
+        self.clients = (
+            list(clients) if clients is not None else make_clients(cfg, vocab_size=vocab_size)
+        )
+        self.vocab_size = vocab_size
+        self._ready = False
+        self.last_weight_versions: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def preflight(self) -> list[ModelInfo]:
+        """Check every server answers ``/model_info`` (not /health_generate or /get_server_info,
+        which sglang-omni lacks); return what they report."""
+
+        async def probe(client: OmniRolloutClient) -> ModelInfo:
+            try:
+                return await client.model_info()
+            except Exception as exc:
+                raise SglangOmniEngineError(
+                    f"sglang-omni server {client.base_url} failed preflight (/model_info): {exc}"
+                ) from exc
+
+        infos = self.loop.run(_gather(probe(c) for c in self.clients), self.cfg.timeout_s + 30)
+        for client, info in zip(self.clients, infos, strict=True):
+            log.info(
+                "sglang-omni %s: weight_version=%s model_path=%s thinker_tp=%s",
+                client.base_url,
+                info.weight_version,
+                info.model_path,
+                info.thinker_tp_sizes,
+            )
+        self._ready = True
+        return infos
+
+    def abort_all(self) -> None:
+        """Drop every in-flight request on every server (pause(abort) + continue)."""
+        self.loop.run(_gather(c.abort_all() for c in self.clients), self.cfg.timeout_s + 30)
+
+    def close(self) -> None:
+        try:
+            self.loop.run(_gather(c.aclose() for c in self.clients), 30)
+        finally:
+            if self._own_loop:
+                self.loop.close()
+
+    # ------------------------------------------------------------------ rollout
+
+    def prepare(self, prompt: PromptInputs) -> PreparedPrompt:
+        """Encode one prompt; with bf16 payloads, round ``prompt.mm`` in place to what is sent."""
+        prepared = PreparedPrompt.build(
+            prompt.input_ids,
+            prompt.mm,
+            bf16=self.bf16_payload,
+            vocab_size=self.vocab_size,
+            use_audio_in_video=prompt.use_audio_in_video,
+        )
+        if self.bf16_payload:
+            for name in BF16_CASTABLE & prompt.mm.keys():
+                original = prompt.mm[name]
+                prompt.mm[name] = (
+                    prepared.tensors[name].to_torch().to(original.dtype).to(original.device)
+                )
+        return prepared
+
+    def generate(
+        self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig | Mapping[str, Any]
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt, in prompt order; raises rather than return a short group."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        params = sampling_params(sampling)  # fails before anything is sent
+        seed = _seed_of(sampling)
+        prepared = [self.prepare(p) for p in prompts]  # encoding errors also fail before sending
+        if not self._ready:
+            self.preflight()
+        try:
+            results = self.loop.run(self._generate_all(prompts, prepared, n, params, seed))
+        except BaseException as exc:
+            try:
+                self.abort_all()
+            except Exception as abort_exc:  # noqa: BLE001 - the rollout error is the one to raise
+                log.error("abort_all after a failed rollout also failed: %s", abort_exc)
+            if isinstance(exc, Exception) and not isinstance(
+                exc, SglangOmniEngineError | ValueError
+            ):
+                raise SglangOmniEngineError(f"sglang-omni rollout failed: {exc}") from exc
+            raise
+        out: list[list[Completion]] = []
+        versions: set[str] = set()
+        for prompt, group in zip(prompts, results, strict=True):
+            completions = []
+            for r in group:
+                completions.append(self._completion(prompt, r))
+                versions.update(str(v) for v in r.weight_versions)
+            out.append(completions)
+        self.last_weight_versions = versions
+        return out
+
+    async def _generate_all(
+        self,
+        prompts: list[PromptInputs],
+        prepared: list[PreparedPrompt],
+        n: int,
+        params: dict[str, Any],
+        seed: int | None,
+    ) -> list[list[GenerateResult]]:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(
+                    self.clients[i % len(self.clients)].generate_group(
+                        prep,
+                        n,
+                        params,
+                        seeds=sample_seeds(seed, prompt.sample.uid, n),
+                        metadata={"omni_grpo_uid": prompt.sample.uid},
+                        max_resumes=self.max_resumes,
+                    )
+                )
+                for i, (prompt, prep) in enumerate(zip(prompts, prepared, strict=True))
+            ]
+        return [t.result() for t in tasks]
+
+    @staticmethod
+    def _completion(prompt: PromptInputs, r: GenerateResult) -> Completion:
+        if len(r.token_ids) != len(r.logprobs):
+            raise SglangOmniEngineError(
+                f"sample of {prompt.sample.uid}: {len(r.token_ids)} ids but {len(r.logprobs)} logprobs"
+            )
+        if len(set(r.weight_versions)) > 1:
+            log.warning(
+                "sample of %s spans weight versions %s (resumed across an update)",
+                prompt.sample.uid,
+                r.weight_versions,
+            )
+        return Completion(
+            prompt=prompt,
+            token_ids=list(r.token_ids),
+            logprobs=list(r.logprobs),
+            finish_reason=r.finish_reason,
+            weight_version=str(r.weight_version) if r.weight_version is not None else "default",
+            text=r.text,
+        )
+
+
+async def _gather(coros):  # type: ignore[no-untyped-def]
+    return await asyncio.gather(*list(coros))
