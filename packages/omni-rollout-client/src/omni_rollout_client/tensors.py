@@ -129,7 +129,8 @@ class EncodedTensor:
     """One tensor encoded once, reused by every request of a GRPO group.
 
     ``raw`` holds exactly the bytes the server decodes; ``values()`` and ``to_torch()`` give those
-    values back (bf16 rounding included) for the trainer.
+    values back (bf16 rounding included) for the trainer. Without a cast, ``raw`` is a read-only
+    view of the caller's buffer (no copy): do not modify the source tensor after encoding.
     """
 
     name: str
@@ -146,6 +147,7 @@ class EncodedTensor:
             raise ClientValidationError(
                 f"tensor {name!r}: shape {shape} does not match {array.size} elements"
             )
+        array = array.view()  # read-only view; never flips the caller's own array to read-only
         array.setflags(write=False)
         return cls(name=name, dtype=dtype_name, shape=shape, raw=array, b64=b64encode(array))
 
