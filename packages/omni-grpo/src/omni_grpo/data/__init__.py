@@ -1,0 +1,12 @@
+"""Datasets: the jsonl row format, preparers, lazy media decoding and prompt building."""
+
+from omni_grpo.data.schema import (
+    DataError,
+    DatasetRow,
+    MediaRef,
+    iter_rows,
+    read_samples,
+    write_rows,
+)
+
+__all__ = ["DataError", "DatasetRow", "MediaRef", "iter_rows", "read_samples", "write_rows"]

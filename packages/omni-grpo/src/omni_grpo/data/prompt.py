@@ -1,0 +1,225 @@
+"""Sample -> PromptInputs: chat template, media decoding and placeholder expansion.
+
+The chat template writes ONE pad token per media item (``<|image_pad|>``, ``<|video_pad|>``,
+``<|audio_pad|>``); we then repeat each pad to the item's token count — image/video ``t*h*w/4``,
+audio the tower's output length — exactly what the Omni processor would produce, without needing
+its torchvision-based video processor. Token ids come from the checkpoint's config.json (an
+omni-extract ``vl`` dir with ``omni_sideband``, or a hub Omni dir with ``thinker_config``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omni_grpo.data.audio import audio_features, audio_tokens, whisper_kwargs
+from omni_grpo.data.media import MediaError, load_audio, load_image, load_video, resolve_media
+from omni_grpo.data.schema import PLACEHOLDER
+from omni_grpo.data.vision import (
+    VisionProcessorConfig,
+    process_frames,
+    process_image,
+    tokens_for_grid,
+)
+from omni_grpo.types import PromptInputs, Sample
+
+if TYPE_CHECKING:
+    from omni_grpo.config import DataConfig
+
+# media type -> config field holding its pad-token id
+PAD_ID_FIELDS: dict[str, str] = {
+    "image": "image_token_id",
+    "video": "video_token_id",
+    "audio": "audio_token_id",
+}
+
+
+@dataclass(frozen=True)
+class ModelTokens:
+    image_token_id: int
+    video_token_id: int
+    audio_token_id: int
+    audio_n_window: int = 50
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelTokens:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: no config.json to read the placeholder token ids from"
+            )
+        cfg = json.loads(path.read_text())
+        if "omni_sideband" in cfg:  # omni-extract vl/ (or text/) output
+            src, where = {**cfg, **cfg["omni_sideband"]}, "config.json (top level + omni_sideband)"
+        elif "thinker_config" in cfg:  # the Omni hub layout
+            src, where = cfg["thinker_config"], "config.json thinker_config"
+        else:
+            src, where = cfg, "config.json"
+        missing = [f for f in PAD_ID_FIELDS.values() if f not in src]
+        if missing:
+            raise ValueError(f"{path}: {where} lacks {missing}")
+        n_window = (src.get("audio_config") or {}).get("n_window", 50)
+        return cls(**{f: int(src[f]) for f in PAD_ID_FIELDS.values()}, audio_n_window=int(n_window))
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if not getattr(tok, "chat_template", None):
+        for name in ("chat_template.jinja", "chat_template.json"):
+            p = model_dir / name
+            if p.is_file():
+                text = p.read_text()
+                tok.chat_template = (
+                    json.loads(text)["chat_template"] if name.endswith(".json") else text
+                )
+                break
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(
+            f"{model_dir}: the tokenizer has no chat template (chat_template.jinja/.json)"
+        )
+    return tok
+
+
+class PromptBuilder:
+    """Turns a Sample into model inputs; decodes its media on each call (nothing cached)."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        data: DataConfig,
+        *,
+        tokenizer: Any = None,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.data = data
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(self.model_dir)
+        self.tokens = ModelTokens.from_dir(self.model_dir)
+        self.image_cfg = VisionProcessorConfig.from_dir(self.model_dir)
+        self.video_cfg = VisionProcessorConfig.from_dir(
+            self.model_dir, "video_preprocessor_config.json"
+        )
+        self.whisper = whisper_kwargs(self.model_dir)
+        self.system_prompt = system_prompt
+
+    # ------------------------------------------------------------------------------- text side
+    def messages(self, sample: Sample) -> list[dict[str, Any]]:
+        """The chat for a sample: its prompt split at ``<image>``/``<video>``/``<audio>`` into parts."""
+        parts: list[dict[str, Any]] = []
+        media = iter(sample.media)
+        pos = 0
+        for m in PLACEHOLDER.finditer(sample.prompt):
+            if m.start() > pos:
+                parts.append({"type": "text", "text": sample.prompt[pos : m.start()]})
+            item = next(media)
+            parts.append({"type": item["type"], item["type"]: item["path"]})
+            pos = m.end()
+        if pos < len(sample.prompt):
+            parts.append({"type": "text", "text": sample.prompt[pos:]})
+        msgs: list[dict[str, Any]] = []
+        if self.system_prompt:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        msgs.append({"role": "user", "content": parts})
+        return msgs
+
+    def template_ids(self, sample: Sample) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            self.messages(sample), add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------------------------------ media side
+    def _media(self, sample: Sample, root: Path) -> tuple[dict[str, list[Any]], list[int]]:
+        """Decode and process every media item; returns tensors per key and the per-item token counts."""
+        d = self.data
+        out: dict[str, list[Any]] = {
+            k: [] for k in ("img", "img_grid", "vid", "vid_grid", "spg", "feat", "mask")
+        }
+        counts: list[int] = []
+        for item in sample.media:
+            path = resolve_media(root, item["path"])
+            try:
+                if item["type"] == "image":
+                    pv, grid = process_image(
+                        load_image(path), self.image_cfg, d.image_max_pixels, d.image_min_pixels
+                    )
+                    out["img"].append(pv)
+                    out["img_grid"].append(grid)
+                    counts.append(tokens_for_grid(grid, self.image_cfg.merge_size))
+                elif item["type"] == "video":
+                    clip = load_video(path, d.video_fps, d.max_frames)
+                    pv, grid = process_frames(
+                        clip.frames, self.video_cfg, max_pixels=d.video_max_pixels
+                    )
+                    out["vid"].append(pv)
+                    out["vid_grid"].append(grid)
+                    out["spg"].append(self.video_cfg.temporal_patch_size / clip.fps)
+                    counts.append(tokens_for_grid(grid, self.video_cfg.merge_size))
+                else:
+                    feats, mask = audio_features(
+                        load_audio(path, d.audio_max_seconds), self.whisper
+                    )
+                    out["feat"].append(feats[0])
+                    out["mask"].append(mask[0])
+                    counts.append(audio_tokens(mask, self.tokens.audio_n_window))
+            except ValueError as err:  # e.g. an image too small/elongated to resize
+                raise MediaError("unreadable", f"{item['path']}: {err}") from None
+        return out, counts
+
+    @staticmethod
+    def _pack(out: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
+        mm: dict[str, torch.Tensor] = {}
+        if out["img"]:
+            mm["pixel_values"] = torch.cat(out["img"])
+            mm["image_grid_thw"] = torch.stack(out["img_grid"])
+        if out["vid"]:
+            mm["pixel_values_videos"] = torch.cat(out["vid"])
+            mm["video_grid_thw"] = torch.stack(out["vid_grid"])
+            mm["video_second_per_grid"] = torch.tensor(out["spg"], dtype=torch.float32)
+        if out["feat"]:
+            t_max = max(f.shape[-1] for f in out["feat"])
+            mm["input_features"] = torch.stack(
+                [torch.nn.functional.pad(f, (0, t_max - f.shape[-1])) for f in out["feat"]]
+            )
+            mm["feature_attention_mask"] = torch.stack(
+                [torch.nn.functional.pad(m, (0, t_max - m.shape[-1])) for m in out["mask"]]
+            )
+        return mm
+
+    def expand(self, ids: list[int], sample: Sample, counts: list[int]) -> list[int]:
+        """Repeat the k-th pad token of each media type to the k-th item's token count."""
+        pad_of = {getattr(self.tokens, f): t for t, f in PAD_ID_FIELDS.items()}
+        per_type: dict[str, list[int]] = {t: [] for t in PAD_ID_FIELDS}
+        for item, n in zip(sample.media, counts, strict=True):
+            per_type[item["type"]].append(n)
+        found = {t: sum(1 for i in ids if pad_of.get(i) == t) for t in PAD_ID_FIELDS}
+        wanted = {t: len(v) for t, v in per_type.items()}
+        if found != wanted:
+            raise ValueError(
+                f"sample {sample.uid!r}: the chat template produced pad tokens {found} but the sample has media {wanted}"
+            )
+        out: list[int] = []
+        cursor = dict.fromkeys(PAD_ID_FIELDS, 0)
+        for i in ids:
+            t = pad_of.get(i)
+            if t is None:
+                out.append(i)
+                continue
+            out.extend([i] * per_type[t][cursor[t]])
+            cursor[t] += 1
+        return out
+
+    def build(self, sample: Sample, root: str | os.PathLike[str]) -> PromptInputs:
+        """Decode the sample's media under ``root`` and return its model inputs.
+
+        Raises ``MediaError`` (with a counter ``reason``) for a missing, escaping or unreadable file.
+        """
+        out, counts = self._media(sample, Path(root))
+        ids = self.expand(self.template_ids(sample), sample, counts)
+        return PromptInputs(sample=sample, input_ids=ids, mm=self._pack(out))
