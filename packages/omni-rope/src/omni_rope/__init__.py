@@ -1,1 +1,29 @@
-"""omni-rope."""
+"""omni-rope: Qwen3-Omni TM-RoPE position ids (text, image, video, audio, audio-in-video).
+
+``get_rope_index`` is the pure core, identical to transformers' Omni reference and vectorised;
+``install_omni_rope`` makes a HF Qwen3-VL-MoE model use it.
+"""
+
+from omni_rope.config import OmniRopeConfig
+from omni_rope.errors import OmniRopeError
+from omni_rope.layout import (
+    audio_in_video_body_kinds,
+    audio_in_video_segment_ids,
+    audio_output_length,
+    audio_segment_ids,
+    image_segment_ids,
+    video_segment_ids,
+)
+from omni_rope.positions import get_rope_index
+
+__all__ = [
+    "OmniRopeConfig",
+    "OmniRopeError",
+    "audio_in_video_body_kinds",
+    "audio_in_video_segment_ids",
+    "audio_output_length",
+    "audio_segment_ids",
+    "get_rope_index",
+    "image_segment_ids",
+    "video_segment_ids",
+]
