@@ -148,6 +148,40 @@ class InterleavedMRope(nn.Module):
         return emb.transpose(0, 1).unsqueeze(2).contiguous()
 
 
+class SdpaAttention(nn.Module):
+    """Causal core attention through ``F.scaled_dot_product_attention`` (flash / efficient kernels).
+
+    Replaces the local spec's ``DotProductAttention``, which materialises the ``[B*heads, S, S]``
+    scores in fp32 (TE's fused attention is the other alternative and needs TE). Same contract:
+    query ``[s, b, heads, d]``, key/value ``[s, b, groups, d]`` -> context ``[s, b, heads*d]``.
+    Batches are right-padded, so the causal mask alone is exact for every real token.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str, **kw: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.softmax_scale = kw.get("softmax_scale")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any = None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SdpaAttention supports padded causal batches only (no THD packing, no bias)")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
 def thinker_block_spec(num_layers: int, num_experts: int, experts_impl: str) -> Any:
     """Transformer-block submodules: local spec + our RMSNorm, experts and (in model.py) rotary."""
     m = mcore()
@@ -157,7 +191,9 @@ def thinker_block_spec(num_layers: int, num_experts: int, experts_impl: str) -> 
     sub = layer.submodules
     attn = sub.self_attention
     attn = dataclasses.replace(
-        attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm)
+        attn, submodules=dataclasses.replace(
+            attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm, core_attention=SdpaAttention
+        )
     )
     mlp = sub.mlp
     if experts_impl == "grouped":
