@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def _load_torch(
     audio_dir = Path(audio_dir) if audio_dir is not None else _default_audio_dir(extracted_dir)
     tower = FrozenAudioTower(audio_dir, attn_implementation=attn_implementation)
     injector = AudioInjector(tower, sideband.audio_token_id)
-    rope_index = make_rope_index(sideband.raw, vl.config)
+    rope_index = make_rope_index(json.loads((extracted_dir / "config.json").read_text()))
     thinker = OmniThinker(vl, sideband, injector, rope_index, extracted_dir, audio_dir)
     thinker.set_frozen(visual=freeze_visual, lm_head=freeze_lm_head)
     thinker.train(False)

@@ -11,14 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from omni_rope import OmniRopeConfig, get_rope_index
 
 
 class RopeIndex:
-    """Callable ``(input_ids, attention_mask, grids, ...) -> (positions [3,B,L], deltas [B,1])``."""
+    """omni-rope's ``get_rope_index`` bound to one checkpoint's :class:`OmniRopeConfig`.
 
-    def __init__(self, sideband: dict[str, Any], spatial_merge_size: int) -> None:
-        self.sideband = sideband
-        self.spatial_merge_size = spatial_merge_size
+    ``use_audio_in_video`` is passed through: ``True``/``False`` for the whole batch (as
+    transformers' thinker takes it) or ``None`` to read it per video from the tokens.
+    """
+
+    def __init__(self, config: OmniRopeConfig) -> None:
+        self.config = config
 
     def __call__(
         self,
@@ -28,9 +32,23 @@ class RopeIndex:
         video_grid_thw: torch.Tensor | None = None,
         video_second_per_grid: torch.Tensor | None = None,
         audio_seqlens: torch.Tensor | None = None,
-        use_audio_in_video: bool = False,
+        use_audio_in_video: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        return get_rope_index(
+            input_ids,
+            attention_mask,
+            self.config,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            second_per_grids=video_second_per_grid,
+            audio_seqlens=audio_seqlens,
+            use_audio_in_video=use_audio_in_video,
+        )
+
+
+def make_rope_index(vl_config: dict[str, Any] | Any) -> RopeIndex:
+    """From the pseudo-VL config (dict or object) carrying ``omni_sideband``."""
+    return RopeIndex(OmniRopeConfig.from_vl_config(vl_config))
 
 
 def decode_positions(
@@ -57,47 +75,3 @@ def decode_positions(
         text = torch.arange(past_length, past_length + new_length, device=device).expand(batch, -1)
     pos = text.to(device) + deltas.to(device)
     return pos.unsqueeze(0).expand(3, -1, -1)
-
-
-def _hf_standin(sideband: dict[str, Any], vl_config: Any) -> Any:
-    """TEMPORARY: transformers' Omni rope index, until omni-rope lands."""
-    from types import SimpleNamespace
-
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-        Qwen3OmniMoePreTrainedModelForConditionalGeneration as Ref,
-    )
-
-    fake = object.__new__(Ref)
-    object.__setattr__(fake, "spatial_merge_size", vl_config.vision_config.spatial_merge_size)
-    object.__setattr__(
-        fake,
-        "config",
-        SimpleNamespace(
-            **{**sideband, "audio_config": SimpleNamespace(**sideband["audio_config"])}
-        ),
-    )
-
-    def rope_index(
-        input_ids,
-        attention_mask,
-        image_grid_thw=None,
-        video_grid_thw=None,
-        video_second_per_grid=None,
-        audio_seqlens=None,
-        use_audio_in_video=False,
-    ):
-        return fake.get_rope_index(
-            input_ids,
-            image_grid_thw,
-            video_grid_thw,
-            attention_mask,
-            use_audio_in_video,
-            audio_seqlens,
-            video_second_per_grid,
-        )
-
-    return rope_index
-
-
-def make_rope_index(sideband: dict[str, Any], vl_config: Any) -> Any:
-    return _hf_standin(sideband, vl_config)

@@ -97,9 +97,14 @@ class OmniThinker(nn.Module):
         video_grid_thw: torch.Tensor | None = None,
         video_second_per_grid: torch.Tensor | None = None,
         feature_attention_mask: torch.Tensor | None = None,
-        use_audio_in_video: bool = False,
+        use_audio_in_video: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Omni 3-D positions ``[3, B, L]`` and rope deltas ``[B, 1]`` for a full (prefill) sequence."""
+        """Omni 3-D positions ``[3, B, L]`` and rope deltas ``[B, 1]`` for a full (prefill) sequence.
+
+        ``use_audio_in_video``: ``True``/``False`` state it for every video of the batch (as
+        transformers does; a mismatch with the tokens raises); ``None`` reads it per video from the
+        tokens (``<vision_start><audio_start>``), which also positions mixed batches correctly.
+        """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         audio_seqlens = None
@@ -112,7 +117,7 @@ class OmniThinker(nn.Module):
             video_grid_thw=video_grid_thw,
             video_second_per_grid=video_second_per_grid,
             audio_seqlens=audio_seqlens,
-            use_audio_in_video=bool(use_audio_in_video),
+            use_audio_in_video=use_audio_in_video,
         )
 
     def audio_token_counts(self, feature_attention_mask: torch.Tensor) -> torch.Tensor:
@@ -145,7 +150,8 @@ class OmniThinker(nn.Module):
         """Same inputs as ``Qwen3OmniMoeThinkerForConditionalGeneration.forward``; returns ``.logits``.
 
         ``input_ids`` is required (placeholders are found by id, never by comparing embeddings).
-        ``labels`` gives the usual shifted cross-entropy ``.loss``. ``inputs_embeds`` and
+        ``labels`` gives the usual shifted cross-entropy ``.loss``. ``use_audio_in_video=None`` (the
+        default) detects audio-in-video per video from the tokens; see :meth:`compute_position_ids`. ``inputs_embeds`` and
         ``audio_feature_lengths`` are not supported: pass ids and ``feature_attention_mask``.
         """
         if input_ids is None:
@@ -165,7 +171,7 @@ class OmniThinker(nn.Module):
                     video_grid_thw,
                     video_second_per_grid,
                     feature_attention_mask,
-                    bool(use_audio_in_video),
+                    use_audio_in_video,
                 )
             else:
                 if self.rope_deltas is None or self.rope_deltas.shape[0] != input_ids.shape[0]:
@@ -228,3 +234,11 @@ class OmniThinker(nn.Module):
         from omni_grpo.models.saving import save_thinker
 
         return save_thinker(self, Path(dst), **kwargs)
+
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        """KV-cached sampling; see :func:`omni_grpo.models.generation.generate`."""
+        from omni_grpo.models.generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
