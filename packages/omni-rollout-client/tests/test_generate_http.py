@@ -5,26 +5,40 @@ import hashlib
 import httpx
 import numpy as np
 import pytest
-
-from omni_rollout_client import ClientValidationError, ContractError, OmniRolloutClient, PreparedPrompt
+from omni_rollout_client import (
+    ClientValidationError,
+    ContractError,
+    OmniRolloutClient,
+    PreparedPrompt,
+)
 from omni_rollout_client.testing import FakeGeneration
+
 
 def image_mm():
     rng = np.random.default_rng(0)
-    return {"pixel_values": rng.standard_normal((16, 1536)).astype(np.float32), "image_grid_thw": np.array([[1, 4, 4]])}
+    return {
+        "pixel_values": rng.standard_normal((16, 1536)).astype(np.float32),
+        "image_grid_thw": np.array([[1, 4, 4]]),
+    }
 
 
 @pytest.mark.asyncio
 async def test_group_of_samples_with_exact_bytes_on_server(server):
     async with OmniRolloutClient(server.url) as client:
         prompt = client.prepare([1, 2, 3], image_mm())
-        results = await client.generate_group(prompt, 4, {"max_new_tokens": 16, "skip_special_tokens": True}, metadata={"uid": "s1"})
+        results = await client.generate_group(
+            prompt, 4, {"max_new_tokens": 16, "skip_special_tokens": True}, metadata={"uid": "s1"}
+        )
     assert len(results) == 4
     records = server.records
     assert len(records) == 4
     sent = prompt.tensors["pixel_values"]
-    for rec, res in zip(sorted(records, key=lambda r: r.request_index), results, strict=False):
-        assert rec.tensor_digests["pixel_values"] == ("bfloat16", [16, 1536], hashlib.sha256(sent.raw.tobytes()).hexdigest())
+    for rec in records:
+        assert rec.tensor_digests["pixel_values"] == (
+            "bfloat16",
+            [16, 1536],
+            hashlib.sha256(sent.raw.tobytes()).hexdigest(),
+        )
         assert rec.sampling["temperature"] == 1.0 and rec.sampling["repetition_penalty"] == 1.0
     by_tokens = sorted(tuple(r.token_ids) for r in records)
     assert by_tokens == sorted(tuple(r.token_ids) for r in results)
@@ -39,8 +53,12 @@ async def test_group_of_samples_with_exact_bytes_on_server(server):
 @pytest.mark.asyncio
 async def test_seeds_give_reproducible_samples_and_length_finish(server):
     async with OmniRolloutClient(server.url) as client:
-        a = await client.generate_group(PreparedPrompt.build([4, 5]), 2, {"max_new_tokens": 2}, seeds=[7, 8])
-        b = await client.generate_group(PreparedPrompt.build([4, 5]), 2, {"max_new_tokens": 2}, seeds=[7, 8])
+        a = await client.generate_group(
+            PreparedPrompt.build([4, 5]), 2, {"max_new_tokens": 2}, seeds=[7, 8]
+        )
+        b = await client.generate_group(
+            PreparedPrompt.build([4, 5]), 2, {"max_new_tokens": 2}, seeds=[7, 8]
+        )
         with pytest.raises(ClientValidationError, match="seeds"):
             await client.generate_group(PreparedPrompt.build([4, 5]), 2, {"seed": 1})
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
@@ -52,7 +70,11 @@ async def test_seeds_give_reproducible_samples_and_length_finish(server):
 
 @pytest.mark.asyncio
 async def test_custom_generator_callable(make_server):
-    server = make_server(generator=lambda req: FakeGeneration(token_ids=[len(req.input_ids), 0], logprobs=[-1.0, -2.0]))
+    server = make_server(
+        generator=lambda req: FakeGeneration(
+            token_ids=[len(req.input_ids), 0], logprobs=[-1.0, -2.0]
+        )
+    )
     async with OmniRolloutClient(server.url) as client:
         r = await client.generate([9, 9, 9], {"max_new_tokens": 4})
     assert r.token_ids == [3, 0] and r.logprobs == [-1.0, -2.0]
@@ -105,8 +127,20 @@ def test_fake_rejects_forbidden_sampling_keys_but_ignores_top_level_extras(serve
     r = post(server, {"input_ids": [1], "sampling_params": {"skip_special_tokens": True}})
     assert r.status_code == 422
     err = r.json()["detail"][0]
-    assert err["type"] == "extra_forbidden" and err["loc"] == ["body", "sampling_params", "skip_special_tokens"]
-    ok = post(server, {"input_ids": [1], "rid": "x", "image_data": None, "sampling_params": {"max_new_tokens": 2}})
+    assert err["type"] == "extra_forbidden" and err["loc"] == [
+        "body",
+        "sampling_params",
+        "skip_special_tokens",
+    ]
+    ok = post(
+        server,
+        {
+            "input_ids": [1],
+            "rid": "x",
+            "image_data": None,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    )
     assert ok.status_code == 200
     meta = ok.json()["meta_info"]
     assert all(len(p) == 2 for p in meta["output_token_logprobs"])
@@ -134,15 +168,104 @@ def test_fake_omitted_temperature_is_greedy(server):
         ({"input_ids": [1], "metadata": {"omni_session": {}}}, 400, "omni_session"),
         ({"input_ids": [1], "return_omni_rollout": True}, 501, "omni_rollout"),
         ({"messages": [{"content": "hi"}]}, 422, "role"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"version": 2, "tensors": {"pixel_values": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}}}}, 422, "version"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"version": 1, "tensors": {}}}, 422, "too_short"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"tensors": {"pixel_values": {"dtype": "float32", "shape": [2], "data": "AAAAAA=="}}}}, 422, "expected 8"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"tensors": {"pixel_values": {"dtype": "float32", "shape": [1], "data": "AA$AAA=="}}}}, 422, "base64"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"tensors": {"pixel_values": {"dtype": "complex64", "shape": [1], "data": "AAAAAA=="}}}}, 422, "dtype"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"tensors": {"pixel_values": {"dtype": "float32", "shape": [-1], "data": ""}}}}, 422, "shape"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"tensors": {"foo": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}}}}, 400, "unknown multimodal_train_inputs tensors: foo"),
-        ({"input_ids": [1], "multimodal_train_inputs": {"tensors": {"image_grid_thw": {"dtype": "int64", "shape": [1], "data": "AQAAAAAAAAA="}}}}, 400, "without pixel_values"),
-        ({"messages": [{"role": "user", "content": "x"}], "multimodal_train_inputs": {"tensors": {"pixel_values": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}}}}, 400, "requires prompt_token_ids"),
+        (
+            {
+                "input_ids": [1],
+                "multimodal_train_inputs": {
+                    "version": 2,
+                    "tensors": {
+                        "pixel_values": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}
+                    },
+                },
+            },
+            422,
+            "version",
+        ),
+        (
+            {"input_ids": [1], "multimodal_train_inputs": {"version": 1, "tensors": {}}},
+            422,
+            "too_short",
+        ),
+        (
+            {
+                "input_ids": [1],
+                "multimodal_train_inputs": {
+                    "tensors": {
+                        "pixel_values": {"dtype": "float32", "shape": [2], "data": "AAAAAA=="}
+                    }
+                },
+            },
+            422,
+            "expected 8",
+        ),
+        (
+            {
+                "input_ids": [1],
+                "multimodal_train_inputs": {
+                    "tensors": {
+                        "pixel_values": {"dtype": "float32", "shape": [1], "data": "AA$AAA=="}
+                    }
+                },
+            },
+            422,
+            "base64",
+        ),
+        (
+            {
+                "input_ids": [1],
+                "multimodal_train_inputs": {
+                    "tensors": {
+                        "pixel_values": {"dtype": "complex64", "shape": [1], "data": "AAAAAA=="}
+                    }
+                },
+            },
+            422,
+            "dtype",
+        ),
+        (
+            {
+                "input_ids": [1],
+                "multimodal_train_inputs": {
+                    "tensors": {"pixel_values": {"dtype": "float32", "shape": [-1], "data": ""}}
+                },
+            },
+            422,
+            "shape",
+        ),
+        (
+            {
+                "input_ids": [1],
+                "multimodal_train_inputs": {
+                    "tensors": {"foo": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}}
+                },
+            },
+            400,
+            "unknown multimodal_train_inputs tensors: foo",
+        ),
+        (
+            {
+                "input_ids": [1],
+                "multimodal_train_inputs": {
+                    "tensors": {
+                        "image_grid_thw": {"dtype": "int64", "shape": [1], "data": "AQAAAAAAAAA="}
+                    }
+                },
+            },
+            400,
+            "without pixel_values",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "multimodal_train_inputs": {
+                    "tensors": {
+                        "pixel_values": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}
+                    }
+                },
+            },
+            400,
+            "requires prompt_token_ids",
+        ),
     ],
 )
 def test_fake_generate_status_codes(server, body, status, fragment):
@@ -152,7 +275,23 @@ def test_fake_generate_status_codes(server, body, status, fragment):
 
 
 def test_fake_server_answers_500_where_the_real_one_does(server):
-    assert post(server, {"input_ids": [1], "sampling_params": {"temperature": 1.0, "top_k": 0}}).status_code == 500
-    assert post(server, {"input_ids": [1], "sampling_params": {"repetition_penalty": 2.5}}).status_code == 500
-    r = post(server, {"input_ids": [1], "multimodal_train_inputs": {"tensors": {"pixel_values": {"dtype": "float32", "shape": [0, 3], "data": ""}}}})
+    assert (
+        post(
+            server, {"input_ids": [1], "sampling_params": {"temperature": 1.0, "top_k": 0}}
+        ).status_code
+        == 500
+    )
+    assert (
+        post(server, {"input_ids": [1], "sampling_params": {"repetition_penalty": 2.5}}).status_code
+        == 500
+    )
+    r = post(
+        server,
+        {
+            "input_ids": [1],
+            "multimodal_train_inputs": {
+                "tensors": {"pixel_values": {"dtype": "float32", "shape": [0, 3], "data": ""}}
+            },
+        },
+    )
     assert r.status_code == 500 and r.headers["content-type"].startswith("text/plain")

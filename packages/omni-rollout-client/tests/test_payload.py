@@ -3,33 +3,53 @@ import json
 
 import numpy as np
 import pytest
-
-from omni_rollout_client import ClientValidationError, PreparedPrompt, build_generate_body, filter_sampling_params
+from omni_rollout_client import (
+    ClientValidationError,
+    PreparedPrompt,
+    build_generate_body,
+    filter_sampling_params,
+)
 
 RNG = np.random.default_rng(0)
 
 
 def image_mm(n_rows=16):
-    return {"pixel_values": RNG.standard_normal((n_rows, 1536)).astype(np.float32), "image_grid_thw": np.array([[1, 4, n_rows // 4]])}
+    return {
+        "pixel_values": RNG.standard_normal((n_rows, 1536)).astype(np.float32),
+        "image_grid_thw": np.array([[1, 4, n_rows // 4]]),
+    }
 
 
 def audio_mm():
     mask = np.zeros((2, 30), dtype=np.int32)
     mask[0, :30] = 1
     mask[1, :17] = 1
-    return {"input_features": RNG.standard_normal((2, 128, 30)).astype(np.float32), "feature_attention_mask": mask}
+    return {
+        "input_features": RNG.standard_normal((2, 128, 30)).astype(np.float32),
+        "feature_attention_mask": mask,
+    }
 
 
 def body_json(prompt, sampling=None, **kw):
-    return json.loads(b"".join(build_generate_body(prompt, filter_sampling_params(sampling or {}), **kw)))
+    return json.loads(
+        b"".join(build_generate_body(prompt, filter_sampling_params(sampling or {}), **kw))
+    )
 
 
 def test_body_is_the_contract_document():
     p = PreparedPrompt.build([5, 6, 7], image_mm(), bf16=True)
     doc = body_json(p, {"max_new_tokens": 3}, metadata={"uid": "a"})
     assert doc["input_ids"] == [5, 6, 7]
-    assert doc["sampling_params"] == {"temperature": 1.0, "repetition_penalty": 1.0, "max_new_tokens": 3}
-    assert doc["output_modalities"] == ["text"] and doc["return_logprob"] is True and doc["stream"] is False
+    assert doc["sampling_params"] == {
+        "temperature": 1.0,
+        "repetition_penalty": 1.0,
+        "max_new_tokens": 3,
+    }
+    assert (
+        doc["output_modalities"] == ["text"]
+        and doc["return_logprob"] is True
+        and doc["stream"] is False
+    )
     assert doc["metadata"] == {"uid": "a"}
     bundle = doc["multimodal_train_inputs"]
     assert bundle["version"] == 1
@@ -72,9 +92,16 @@ def test_bf16_opt_out_and_selection():
 
 
 def test_video_second_per_grid_kept_float32():
-    mm = {"pixel_values_videos": RNG.standard_normal((8, 1536)).astype(np.float32), "video_grid_thw": np.array([[2, 2, 2]]), "video_second_per_grid": np.array([1.0], dtype=np.float32)}
+    mm = {
+        "pixel_values_videos": RNG.standard_normal((8, 1536)).astype(np.float32),
+        "video_grid_thw": np.array([[2, 2, 2]]),
+        "video_second_per_grid": np.array([1.0], dtype=np.float32),
+    }
     p = PreparedPrompt.build([1], mm)
-    assert p.tensors["video_second_per_grid"].dtype == "float32" and p.tensors["pixel_values_videos"].dtype == "bfloat16"
+    assert (
+        p.tensors["video_second_per_grid"].dtype == "float32"
+        and p.tensors["pixel_values_videos"].dtype == "bfloat16"
+    )
 
 
 @pytest.mark.parametrize(
@@ -84,11 +111,35 @@ def test_video_second_per_grid_kept_float32():
         ({"attention_mask": np.ones((1, 3))}, "from_processor_output"),
         ({"image_grid_thw": np.array([[1, 2, 2]])}, "without 'pixel_values'"),
         ({"pixel_values": np.zeros((4, 1536), np.float32)}, "without 'image_grid_thw'"),
-        ({"pixel_values": np.zeros((5, 1536), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}, "implies 4"),
-        ({"pixel_values": np.zeros((0, 1536), np.float32), "image_grid_thw": np.zeros((0, 3), np.int64)}, "zero-element"),
+        (
+            {
+                "pixel_values": np.zeros((5, 1536), np.float32),
+                "image_grid_thw": np.array([[1, 2, 2]]),
+            },
+            "implies 4",
+        ),
+        (
+            {
+                "pixel_values": np.zeros((0, 1536), np.float32),
+                "image_grid_thw": np.zeros((0, 3), np.int64),
+            },
+            "zero-element",
+        ),
         ({"feature_attention_mask": np.ones((1, 3))}, "without 'input_features'"),
-        ({"input_features": np.zeros((1, 128, 3), np.float32), "feature_attention_mask": np.ones(3)}, "2-D"),
-        ({"input_features": np.zeros((1, 128, 4), np.float32), "feature_attention_mask": np.ones((1, 3))}, "does not match"),
+        (
+            {
+                "input_features": np.zeros((1, 128, 3), np.float32),
+                "feature_attention_mask": np.ones(3),
+            },
+            "2-D",
+        ),
+        (
+            {
+                "input_features": np.zeros((1, 128, 4), np.float32),
+                "feature_attention_mask": np.ones((1, 3)),
+            },
+            "does not match",
+        ),
     ],
 )
 def test_bad_bundles_refused_before_sending(mm, match):
@@ -96,7 +147,15 @@ def test_bad_bundles_refused_before_sending(mm, match):
         PreparedPrompt.build([1, 2], mm)
 
 
-@pytest.mark.parametrize("ids, match", [([], "non-empty"), ([1, -1], r"input_ids\[1\]"), ([[1, 2], [3, 4]], "1-D"), ([1.5], "integer")])
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        ([], "non-empty"),
+        ([1, -1], r"input_ids\[1\]"),
+        ([[1, 2], [3, 4]], "1-D"),
+        ([1.5], "integer"),
+    ],
+)
 def test_bad_input_ids(ids, match):
     with pytest.raises(ClientValidationError, match=match):
         PreparedPrompt.build(ids)
@@ -109,7 +168,9 @@ def test_vocab_bound_and_audio_in_video():
         PreparedPrompt.build([1], use_audio_in_video=True)
 
 
-@pytest.mark.parametrize("key", ["images", "audios", "videos", "video_fps", "use_audio_in_video", "omni_session"])
+@pytest.mark.parametrize(
+    "key", ["images", "audios", "videos", "video_fps", "use_audio_in_video", "omni_session"]
+)
 def test_reserved_metadata_refused(key):
     with pytest.raises(ClientValidationError, match=key):
         build_generate_body(PreparedPrompt.build([1]), {"temperature": 1.0}, metadata={key: 1})

@@ -1,5 +1,4 @@
 import pytest
-
 from omni_rollout_client import ResponseContractError, parse_generate_response
 from omni_rollout_client.result import concat_results
 
@@ -35,7 +34,10 @@ def test_parses_pairs_into_ids_and_logprobs():
         (body([[-0.5, "a"]]), "token id"),
         (body([], finish="weird"), "finish_reason"),
         ({"text": ""}, "meta_info"),
-        ({"meta_info": {**body([])["meta_info"], "output_token_logprobs": None}}, "expected a list"),
+        (
+            {"meta_info": {**body([])["meta_info"], "output_token_logprobs": None}},
+            "expected a list",
+        ),
     ],
 )
 def test_contract_violations_raise(b, match):
@@ -48,4 +50,6 @@ def test_concat_keeps_segments_and_versions():
     b = parse_generate_response(body([[-0.2, 2], [-0.3, 3]]))
     c = concat_results(a, b)
     assert c.token_ids == [1, 2, 3] and c.logprobs == [-0.1, -0.2, -0.3]
-    assert c.completion_tokens == 3 and c.finish_reason == "stop" and c.weight_versions == ("v1", "v1")
+    assert (
+        c.completion_tokens == 3 and c.finish_reason == "stop" and c.weight_versions == ("v1", "v1")
+    )

@@ -1,7 +1,6 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from omni_rollout_client import ClientValidationError, filter_sampling_params
 from omni_rollout_client.sampling import ACCEPTED_KEYS, DROPPED_KEYS
 
@@ -13,13 +12,33 @@ def test_temperature_always_explicit_and_repetition_penalty_pinned():
 
 
 def test_detok_keys_dropped_and_max_tokens_folded():
-    out = filter_sampling_params({"skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False, "max_tokens": 7, "top_k": -1, "stop": "x"})
+    out = filter_sampling_params(
+        {
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+            "max_tokens": 7,
+            "top_k": -1,
+            "stop": "x",
+        }
+    )
     assert not set(out) & DROPPED_KEYS
     assert out["max_new_tokens"] == 7 and "max_tokens" not in out
     assert out["stop"] == ["x"]
 
 
-@pytest.mark.parametrize("key", ["sampling_seed", "n", "ignore_eos", "min_new_tokens", "frequency_penalty", "regex", "custom_params"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sampling_seed",
+        "n",
+        "ignore_eos",
+        "min_new_tokens",
+        "frequency_penalty",
+        "regex",
+        "custom_params",
+    ],
+)
 def test_unknown_keys_raise_naming_the_key(key):
     with pytest.raises(ClientValidationError, match=key):
         filter_sampling_params({key: 1})

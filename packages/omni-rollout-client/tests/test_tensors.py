@@ -5,7 +5,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
 from omni_rollout_client import ClientValidationError, EncodedTensor
 from omni_rollout_client.tensors import bf16_bits_to_float32, round_to_bf16_bits
 
@@ -13,22 +12,39 @@ from omni_rollout_client.tensors import bf16_bits_to_float32, round_to_bf16_bits
 def server_decode(enc: EncodedTensor) -> np.ndarray:
     """sglang-omni's rule: strict base64 -> frombuffer(dtype) -> reshape(shape)."""
     raw = base64.b64decode(enc.b64, validate=True)
-    wire = {"float32": "<f4", "bfloat16": "<u2", "int64": "<i8", "float16": "<f2", "bool": "?", "uint8": "u1"}[enc.dtype]
+    wire = {
+        "float32": "<f4",
+        "bfloat16": "<u2",
+        "int64": "<i8",
+        "float16": "<f2",
+        "bool": "?",
+        "uint8": "u1",
+    }[enc.dtype]
     return np.frombuffer(raw, dtype=wire).reshape(enc.shape)
 
 
 @settings(deadline=None)
-@given(hnp.arrays(np.float32, hnp.array_shapes(max_dims=3, max_side=6), elements=st.floats(width=32, allow_nan=False)))
+@given(
+    hnp.arrays(
+        np.float32,
+        hnp.array_shapes(max_dims=3, max_side=6),
+        elements=st.floats(width=32, allow_nan=False),
+    )
+)
 def test_bf16_rounding_matches_torch(values):
     torch = pytest.importorskip("torch")
     ours = round_to_bf16_bits(values)
-    ref = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    ref = (
+        torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    )
     np.testing.assert_array_equal(ours, ref)
 
 
 def test_bf16_nan_and_extremes_match_torch():
     torch = pytest.importorskip("torch")
-    values = np.array([np.nan, -np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-45, 0.0, -0.0], dtype=np.float32)
+    values = np.array(
+        [np.nan, -np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-45, 0.0, -0.0], dtype=np.float32
+    )
     ours = round_to_bf16_bits(values)
     ref = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(ours[2:], ref[2:])
@@ -54,7 +70,9 @@ def test_server_decodes_exact_values_and_trainer_sees_them():
     trainer = enc.to_torch()
     assert trainer.dtype == torch.bfloat16
     np.testing.assert_array_equal(trainer.float().numpy(), decoded)
-    np.testing.assert_array_equal(trainer.float().numpy(), torch.from_numpy(a).to(torch.bfloat16).float().numpy())
+    np.testing.assert_array_equal(
+        trainer.float().numpy(), torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+    )
 
 
 def test_torch_bf16_and_int_inputs_pass_through():

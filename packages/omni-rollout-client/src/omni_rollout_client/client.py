@@ -268,7 +268,10 @@ class OmniRolloutClient:
                 status, body = response.status_code, _response_body(response)
                 if status < 300:
                     return status, body, attempt
-                if status < 500 or status == 501:
+                # A router broadcast answers 502 when any worker failed: the per-worker bodies
+                # carry the real reason (e.g. active requests), so it is not a transient error.
+                broadcast = isinstance(body, Mapping) and "worker_count" in body
+                if status < 500 or status == 501 or broadcast:
                     raise self._error(route, status, body)
                 retryable = retry is Retry.ALL
                 failure = f"HTTP {status}: {_detail(body)!r}"[:500]
@@ -607,6 +610,8 @@ class OmniRolloutClient:
             raise ClientValidationError(
                 f"update_weights_from_distributed: names/dtypes/shapes must be non-empty and equal length, got {len(names)}/{len(dtype_names)}/{len(shapes)}"
             )
+        if abort_all_requests:
+            self._abort_epoch += 1
         payload: dict[str, Any] = {
             "names": list(names),
             "dtypes": dtype_names,
@@ -638,6 +643,8 @@ class OmniRolloutClient:
         flush_cache: bool = True,
         load_format: str | None = None,
     ) -> AdminReply:
+        if abort_all_requests:
+            self._abort_epoch += 1
         payload: dict[str, Any] = {
             "model_path": str(model_path),
             "abort_all_requests": abort_all_requests,

@@ -160,6 +160,7 @@ class FakeEngine:
         self.records: list[GenerationRecord] = []
         self.admin_log: list[tuple[str, dict[str, Any]]] = []
         self.request_counter = 0
+        self.max_active = 0
         self._lock = threading.Lock()
         self._resume: asyncio.Event | None = None
 
@@ -439,6 +440,7 @@ class FakeWorkerApp:
         rid = str(uuid.uuid4())
         active = ActiveRequest(rid)
         engine.active[rid] = active
+        engine.max_active = max(engine.max_active, len(engine.active))
         record = GenerationRecord(
             rid=rid,
             request_index=index,
