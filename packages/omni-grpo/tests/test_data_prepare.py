@@ -1,0 +1,250 @@
+"""prepare-data avqa / video-r1 on small files in the real layouts (R1-AQA jsonl, Video-R1 json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from omni_grpo.cli import main
+from omni_grpo.data.prepare import prepare_avqa, prepare_video_r1
+from omni_grpo.data.schema import DataError, read_samples
+
+# R1-AQA's documented record layout (AVQA fields + dataset_name + audio_path); answer is a 0-based index.
+AVQA = [
+    {
+        "id": 183,
+        "video_name": "-HG3Omg_89c_000030",
+        "video_id": 341,
+        "question_text": "What happened in the video?",
+        "multi_choice": ["motorboat", "Yacht consignment", "Sailboat set sail", "Consignment car"],
+        "answer": 1,
+        "question_relation": "View",
+        "question_type": "Happening",
+        "dataset_name": "AVQA",
+        "audio_path": "wav/-HG3Omg_89c_30.wav",
+    },
+    {
+        "id": 184,
+        "video_name": "abc_000010",
+        "video_id": 342,
+        "question_text": "Which instrument is heard in the video?",
+        "multi_choice": ["piano", "violin", "drum", "flute"],
+        "answer": 3,
+        "question_relation": "Both",
+        "question_type": "Which",
+        "dataset_name": "AVQA",
+        "audio_path": "wav/abc_10.wav",
+    },
+    {
+        "id": 185,
+        "video_name": "gone_000000",
+        "video_id": 343,
+        "question_text": "What is it?",
+        "multi_choice": ["a", "b", "c", "d"],
+        "answer": 0,
+        "question_relation": "View",
+        "question_type": "What",
+        "dataset_name": "AVQA",
+        "audio_path": "wav/gone.wav",
+    },
+]
+
+# Video-R1-260k's record layout.
+VIDEO_R1 = [
+    {
+        "problem_id": 1,
+        "problem": "Based on the figure, what role does the quartz cylinder play?",
+        "data_type": "image",
+        "problem_type": "multiple choice",
+        "options": [
+            "A) It focuses the laser",
+            "B) It is the weight",
+            "C) It insulates",
+            "D) A medium",
+        ],
+        "solution": "<answer>D</answer>",
+        "path": "./Knowledge/ArxivQA/images/1702.04756_0.jpg",
+        "data_source": "",
+    },
+    {
+        "problem_id": 2,
+        "problem": "What appears on the screen during the ascent?",
+        "data_type": "video",
+        "problem_type": "multiple choice",
+        "options": ["A. A notification", "B. A command", "C. A warning", "D. A weather update"],
+        "solution": "<answer>A</answer>",
+        "path": "./LLaVA-Video-178K/videos/ytb_7nRmsEw7nsE.mp4",
+        "data_source": "LLaVA-Video-178K/30_60_s_youtube_v0_1",
+    },
+    {
+        "problem_id": 3,
+        "problem": "How many cars pass by?",
+        "data_type": "video",
+        "problem_type": "numerical",
+        "options": [],
+        "solution": "<think>count</think><answer>3</answer>",
+        "path": "./CLEVRER/video_1.mp4",
+        "data_source": "CLEVRER",
+    },
+    {
+        "problem_id": 4,
+        "problem": "What is the woman wearing?",
+        "data_type": "image",
+        "problem_type": "free-form",
+        "options": [],
+        "solution": "<answer>Wetsuit</answer>",
+        "path": "./Spatial/Spacellava/image_11755.png",
+        "data_source": "Spacellava",
+    },
+    {
+        "problem_id": 5,
+        "problem": "Missing video",
+        "data_type": "video",
+        "problem_type": "numerical",
+        "options": [],
+        "solution": "<answer>2</answer>",
+        "path": "./CLEVRER/absent.mp4",
+        "data_source": "CLEVRER",
+    },
+    {
+        "problem_id": 6,
+        "problem": "No tag",
+        "data_type": "video",
+        "problem_type": "numerical",
+        "options": [],
+        "solution": "2",
+        "path": "./CLEVRER/video_1.mp4",
+        "data_source": "CLEVRER",
+    },
+]
+
+
+def _touch(root: Path, *rels: str) -> None:
+    for rel in rels:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"")
+
+
+@pytest.fixture
+def avqa_src(tmp_path: Path) -> Path:
+    _touch(tmp_path, "wav/-HG3Omg_89c_30.wav", "wav/abc_10.wav")
+    src = tmp_path / "train_r1aqa.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in AVQA))
+    return src
+
+
+@pytest.fixture
+def video_r1_src(tmp_path: Path) -> Path:
+    _touch(
+        tmp_path,
+        "Knowledge/ArxivQA/images/1702.04756_0.jpg",
+        "LLaVA-Video-178K/videos/ytb_7nRmsEw7nsE.mp4",
+        "CLEVRER/video_1.mp4",
+        "Spatial/Spacellava/image_11755.png",
+    )
+    src = tmp_path / "Video-R1-260k.json"
+    src.write_text(json.dumps(VIDEO_R1, indent=2))
+    return src
+
+
+def test_avqa(avqa_src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out" / "avqa.jsonl"
+    stats = prepare_avqa(avqa_src, out)
+    assert stats == {"kept": 2, "written": 2, "dropped_missing_media": 1}
+    rows = read_samples(out)
+    r = rows[0]
+    assert r.uid == "avqa-183" and r.label == "B" and r.modality == "audio" and r.reward == "mcq"
+    assert r.media == [{"type": "audio", "path": "wav/-HG3Omg_89c_30.wav"}]
+    assert r.prompt.startswith(
+        "<audio>\nWhat happened in the audio?\nA. motorboat\nB. Yacht consignment\n"
+    )
+    assert r.choices == AVQA[0]["multi_choice"] and r.metadata["choices"] == AVQA[0]["multi_choice"]
+    assert (
+        r.metadata["answer_text"] == "Yacht consignment"
+        and r.metadata["question_type"] == "Happening"
+    )
+    assert rows[1].label == "D"
+    assert prepare_avqa(avqa_src, tmp_path / "all.jsonl", check_media=False)["written"] == 3
+
+
+def test_avqa_bad_answer_names_record(avqa_src: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**AVQA[0], "answer": 4}) + "\n")
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(
+        DataError, match="record 1 \\(id 183\\): answer 4 is not an index into 4 choices"
+    ):
+        prepare_avqa(bad, out)
+    assert not out.exists()
+
+
+def test_avqa_absolute_paths_outside_root(avqa_src: Path, tmp_path: Path) -> None:
+    src = tmp_path / "abs.jsonl"
+    rec = {**AVQA[0], "audio_path": str(tmp_path / "wav/-HG3Omg_89c_30.wav")}
+    src.write_text(
+        json.dumps(rec)
+        + "\n"
+        + json.dumps({**rec, "id": 9, "audio_path": "/elsewhere/x.wav"})
+        + "\n"
+    )
+    stats = prepare_avqa(src, tmp_path / "o.jsonl")
+    assert stats["kept"] == 1 and stats["dropped_outside_root"] == 1
+    assert read_samples(tmp_path / "o.jsonl")[0].media[0]["path"] == "wav/-HG3Omg_89c_30.wav"
+
+
+def test_video_r1(video_r1_src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "vr1.jsonl"
+    stats = prepare_video_r1(video_r1_src, out)
+    assert stats == {
+        "kept": 4,
+        "written": 4,
+        "dropped_missing_media": 1,
+        "dropped_no_answer_tag": 1,
+    }
+    rows = {r.uid: r for r in read_samples(out)}
+    img = rows["video-r1-1"]
+    assert img.modality == "image" and img.label == "D" and img.reward == "mcq"
+    assert img.media == [{"type": "image", "path": "Knowledge/ArxivQA/images/1702.04756_0.jpg"}]
+    assert img.choices == ["It focuses the laser", "It is the weight", "It insulates", "A medium"]
+    assert "Options:\nA) It focuses the laser" in img.prompt and img.prompt.startswith("<image>\n")
+    num = rows["video-r1-3"]
+    assert (
+        num.label == "3"
+        and num.reward == "answer_tag"
+        and num.prompt.startswith("<video>\nHow many")
+    )
+    assert "<answer> </answer>" in num.prompt and num.metadata["data_source"] == "CLEVRER"
+    assert rows["video-r1-4"].label == "Wetsuit"
+
+
+def test_video_r1_filters(video_r1_src: Path, tmp_path: Path) -> None:
+    s = prepare_video_r1(
+        video_r1_src,
+        tmp_path / "v.jsonl",
+        data_types=["video"],
+        source_prefixes=["LLaVA-Video", "CLEVRER"],
+    )
+    assert s["kept"] == 2 and s["dropped_data_type_image"] == 2
+    assert {r.uid for r in read_samples(tmp_path / "v.jsonl")} == {"video-r1-2", "video-r1-3"}
+    s = prepare_video_r1(video_r1_src, tmp_path / "m.jsonl", problem_types=["multiple choice"])
+    assert s["kept"] == 2 and s["dropped_problem_type"] == 4
+
+
+def test_cli_prepare_data(video_r1_src: Path, avqa_src: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(main, ["prepare-data", "--help"])
+    assert res.exit_code == 0 and "avqa" in res.output and "video-r1" in res.output
+    out = tmp_path / "cli.jsonl"
+    res = runner.invoke(
+        main, ["prepare-data", "video-r1", str(video_r1_src), str(out), "--data-type", "video"]
+    )
+    assert res.exit_code == 0, res.output
+    assert f"wrote 2 rows to {out}" in res.output and "dropped_missing_media: 1" in res.output
+    res = runner.invoke(main, ["prepare-data", "avqa", str(avqa_src), str(tmp_path / "a.jsonl")])
+    assert res.exit_code == 0 and "wrote 2 rows" in res.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": 1}) + "\n")
+    res = runner.invoke(main, ["prepare-data", "avqa", str(bad), str(tmp_path / "b.jsonl")])
+    assert res.exit_code == 1 and "missing field(s)" in res.output
