@@ -1,23 +1,33 @@
 """omni-extract: stream the Qwen3-Omni thinker into text, pseudo-Qwen3-VL-MoE and audio checkpoints.
 
-Public API:
+Public API (imported lazily, so ``import omni_extract`` does not pull in torch):
 
 * ``extract(src, dst, variant="vl"|"text"|"audio", shard_size=..., dtype=..., overwrite=...)``
-* ``to_server_tensors(named_tensors, layout="hf_memory"|"vl_hub", towers="error"|"skip")`` and
-  ``to_server_name(name)`` / ``is_server_syncable(name)``: names for the sglang-omni thinker stage.
+* ``to_server_tensors(named_tensors, layout="hf_memory"|"vl_hub", towers="error"|"skip")``,
+  ``to_server_name(name)``, ``is_server_syncable(name)``: names for the sglang-omni thinker stage.
 * ``omni_extract.names.NAME_TABLE``: the one name table behind both directions.
+* ``omni_extract.audio.load_audio_tower(dir)``: the extracted audio tower as a transformers module.
 * ``omni_extract.errors``: the exceptions (all subclasses of ``ExtractError``).
 """
 
-from omni_extract.errors import ExtractError
-from omni_extract.extract import ExtractResult, extract
-from omni_extract.names import is_server_syncable, to_server_name, to_server_tensors
+from __future__ import annotations
 
-__all__ = [
-    "ExtractError",
-    "ExtractResult",
-    "extract",
-    "is_server_syncable",
-    "to_server_name",
-    "to_server_tensors",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ExtractError": "omni_extract.errors",
+    "ExtractResult": "omni_extract.convert",
+    "extract": "omni_extract.convert",
+    "is_server_syncable": "omni_extract.names",
+    "to_server_name": "omni_extract.names",
+    "to_server_tensors": "omni_extract.names",
+    "load_audio_tower": "omni_extract.audio",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'omni_extract' has no attribute {name!r}")

@@ -124,7 +124,6 @@ def build_plan(
         raise ValueError(f"dtype must be one of {tuple(DTYPE_CHOICES)}, got {dtype!r}")
     if shard_size <= 0:
         raise ValueError(f"shard_size must be positive, got {shard_size}")
-    validate_thinker(source)
     cast = DTYPE_CHOICES[dtype]
     num_experts = int(source.thinker_config["text_config"]["num_experts"])
 
@@ -164,6 +163,7 @@ def build_plan(
             f"variant {variant!r} selected zero tensors from {source.root} "
             f"({len(source.tensors)} tensors in {len(source.files)} shard(s))"
         )
+    validate_thinker(source)  # after the selection, so "nothing selected" is reported as such
     ordered = sorted(outputs.values(), key=lambda o: (o.last_file, o.order))
     return ExtractionPlan(variant, ordered, _assign_shards(ordered, shard_size))
 

@@ -1,0 +1,142 @@
+"""Bad input fails loud, names the key or file, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from omni_extract import extract
+from omni_extract.errors import (
+    EmptySelectionError,
+    MissingExpertError,
+    MissingShardError,
+    NotQwen3OmniError,
+    TensorMismatchError,
+    UnmappedTensorError,
+)
+
+
+def _assert_nothing_written(dst):
+    assert not dst.exists()
+    assert not [p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}")]
+
+
+def _fails(src, tmp_path, exc, match, variant="vl"):
+    dst = tmp_path / "out" / "dst"
+    dst.parent.mkdir(exist_ok=True)
+    with pytest.raises(exc, match=match):
+        extract(src, dst, variant=variant)
+    _assert_nothing_written(dst)
+
+
+def test_missing_shard_listed_in_index(tiny_omni_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    (src / "model-00002-of-00003.safetensors").unlink()
+    _fails(src, tmp_path, MissingShardError, r"model-00002-of-00003\.safetensors")
+
+
+def test_index_lists_tensor_its_shard_lacks(rewrite, tmp_path):
+    src = rewrite()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["thinker.model.layers.0.extra.weight"] = "model-00001-of-00003.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    _fails(src, tmp_path, MissingShardError, r"thinker\.model\.layers\.0\.extra\.weight")
+
+
+@pytest.mark.parametrize("variant", ["text", "vl", "audio"])
+def test_zero_tensors_selected(rewrite, tmp_path, variant):
+    src = rewrite(edit=lambda t: {k: v for k, v in t.items() if not k.startswith("thinker.")})
+    _fails(
+        src, tmp_path, EmptySelectionError, f"variant '{variant}' selected zero tensors", variant
+    )
+
+
+def test_unexpected_shape(rewrite, tmp_path):
+    name = "thinker.model.layers.1.self_attn.q_proj.weight"
+    src = rewrite(edit=lambda t: {**t, name: t[name][:-1]})
+    _fails(
+        src,
+        tmp_path,
+        TensorMismatchError,
+        rf"{name}'? has shape \[\d+, \d+\], config\.json implies",
+    )
+
+
+def test_unexpected_expert_shape_transposed(rewrite, tmp_path):
+    name = "thinker.model.layers.0.mlp.experts.1.down_proj.weight"
+    src = rewrite(edit=lambda t: {**t, name: t[name].T.contiguous()})
+    _fails(src, tmp_path, TensorMismatchError, name.replace(".", r"\."))
+
+
+def test_unexpected_dtype(rewrite, tmp_path):
+    name = "thinker.model.norm.weight"
+    src = rewrite(edit=lambda t: {**t, name: t[name].to(torch.int32)})
+    _fails(src, tmp_path, TensorMismatchError, rf"{name}'? has dtype I32")
+
+
+def test_expert_missing_from_a_layer(rewrite, tmp_path):
+    name = "thinker.model.layers.1.mlp.experts.2.up_proj.weight"
+    src = rewrite(edit=lambda t: {k: v for k, v in t.items() if k != name})
+    _fails(src, tmp_path, MissingExpertError, "layer 1 lacks expert 2 up_proj")
+
+
+def test_unmapped_thinker_tensor(rewrite, tmp_path):
+    name = "thinker.model.layers.0.mlp.shared_expert.gate_proj.weight"
+    src = rewrite(edit=lambda t: {**t, name: torch.zeros(16, 64)})
+    _fails(src, tmp_path, UnmappedTensorError, name.replace(".", r"\."))
+
+
+def test_tensor_beyond_the_config(rewrite, tmp_path):
+    name = "thinker.model.layers.7.input_layernorm.weight"  # the config has 2 layers
+    src = rewrite(edit=lambda t: {**t, name: torch.ones(64)})
+    _fails(src, tmp_path, TensorMismatchError, name.replace(".", r"\."))
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            lambda c: {**c, "model_type": "qwen3_vl_moe"},
+            "model_type is 'qwen3_vl_moe', expected 'qwen3_omni_moe'",
+        ),
+        (lambda c: {k: v for k, v in c.items() if k != "thinker_config"}, "thinker_config"),
+        (
+            lambda c: {**c, "thinker_config": {**c["thinker_config"], "audio_config": None}},
+            "thinker_config.audio_config",
+        ),
+    ],
+)
+def test_config_not_qwen3_omni(tiny_omni_dir, tmp_path, edit, match):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(edit(cfg)))
+    _fails(src, tmp_path, NotQwen3OmniError, match)
+
+
+def test_missing_config(tiny_omni_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    (src / "config.json").unlink()
+    _fails(src, tmp_path, NotQwen3OmniError, "no config.json")
+
+
+def test_missing_sideband_field(tiny_omni_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["thinker_config"]["position_id_per_seconds"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    _fails(src, tmp_path, NotQwen3OmniError, "thinker_config.position_id_per_seconds")
+
+
+def test_no_tokenizer_files(tiny_omni_dir, tmp_path):
+    from omni_extract.errors import ExtractError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    (src / "tokenizer.json").unlink()
+    _fails(src, tmp_path, ExtractError, "no tokenizer files")
