@@ -137,7 +137,7 @@ def test_disk_sync_writes_server_names_bit_exact_and_updates(
 def test_disk_sync_vl_hub_layout_from_extracted_files(
     tmp_path: Path, tiny_omni_dir: Path, expected
 ) -> None:
-    from omni_extract.extract import extract
+    from omni_extract import extract
 
     vl = tmp_path / "vl"
     extract(tiny_omni_dir, vl, "vl")
