@@ -187,3 +187,22 @@ def test_template_pad_mismatch_is_named(builder: PromptBuilder, media_root: Path
     s = Sample(uid="bad", prompt="<image>", label="A", media=[{"type": "image", "path": "img.png"}])
     with pytest.raises(ValueError, match="sample 'bad'.*pad tokens"):
         builder.expand([1, 2, 3], s, [6])
+
+
+def test_dataset_from_config(tiny_omni_dir: Path, media_root: Path, tmp_path: Path) -> None:
+    f = tmp_path / "train.jsonl"
+    f.write_text(
+        json.dumps(
+            {
+                "id": "x",
+                "prompt": "<image>?",
+                "label": "A",
+                "media": [{"type": "image", "path": "img.png"}],
+            }
+        )
+        + "\n"
+    )
+    ds = OmniDataset.from_config(DataConfig(train=f, root=media_root), tiny_omni_dir)
+    assert ds.load(0) is not None and ds.root == media_root
+    with pytest.raises(ValueError, match="data.eval is not set"):
+        OmniDataset.from_config(DataConfig(train=f), tiny_omni_dir, "eval")

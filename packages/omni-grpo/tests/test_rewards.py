@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from omni_grpo import rewards as reg
-from omni_grpo.rewards import available_rewards, get_reward, score_sample
+from omni_grpo.rewards import available_rewards, get_reward, reward_name, score_sample
 from omni_grpo.rewards.answer_tag import AnswerTagReward
 from omni_grpo.rewards.math import MathReward, math_equal
 from omni_grpo.rewards.mcq import MCQReward, extract_choice
@@ -170,3 +170,20 @@ def test_registry_third_party_function_and_broken(monkeypatch: pytest.MonkeyPatc
             reg.get_reward("bad")
     finally:
         reg.get_reward.cache_clear()
+
+
+def test_reward_name_precedence() -> None:
+    from omni_grpo.config import RewardsConfig
+
+    cfg = RewardsConfig(default="answer_tag", by_modality={"video": "math"})
+    assert reward_name(Sample(uid="1", prompt="", label="A", reward="mcq"), cfg) == "mcq"
+    assert (
+        reward_name(Sample(uid="1", prompt="", label="A", reward="", modality="video"), cfg)
+        == "math"
+    )
+    assert (
+        reward_name(Sample(uid="1", prompt="", label="A", reward="", modality="audio"), cfg)
+        == "answer_tag"
+    )
+    s = Sample(uid="1", prompt="", label="1/2", reward="", modality="video")
+    assert score_sample(s, "\\boxed{0.5}", cfg) == 1.0

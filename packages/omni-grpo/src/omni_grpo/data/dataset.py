@@ -11,11 +11,15 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omni_grpo.data.media import MediaError
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.data.schema import read_samples
 from omni_grpo.types import PromptInputs, Sample
+
+if TYPE_CHECKING:
+    from omni_grpo.config import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,23 @@ class OmniDataset:
         self.builder = builder
         self.counters: Counter[str] = Counter()
         self._logged: set[str] = set()
+
+    @classmethod
+    def from_config(
+        cls,
+        data: DataConfig,
+        model_dir: str | os.PathLike[str],
+        split: str = "train",
+        *,
+        builder: PromptBuilder | None = None,
+        system_prompt: str | None = None,
+    ) -> OmniDataset:
+        """The ``train`` or ``eval`` split named in ``data`` (media root ``data.root``, else the file's dir)."""
+        path = {"train": data.train, "eval": data.eval}.get(split)
+        if path is None:
+            raise ValueError(f"data.{split} is not set (expected a jsonl path)")
+        builder = builder or PromptBuilder(model_dir, data, system_prompt=system_prompt)
+        return cls(path, data.root or Path(path).parent, builder)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -14,9 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import cache
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_grpo.types import Reward, Sample
+
+if TYPE_CHECKING:
+    from omni_grpo.config import RewardsConfig
 
 REWARDS_GROUP = "omni_grpo.rewards"
 
@@ -62,9 +65,18 @@ def get_reward(name: str) -> Reward:
     return _as_reward(name, obj)
 
 
-def score_sample(sample: Sample, completion_text: str, default: str = "mcq") -> float:
-    """Score with the reward the sample names (``sample.reward``), or ``default`` when empty."""
-    return get_reward(sample.reward or default).score(sample, completion_text)
+def reward_name(sample: Sample, cfg: RewardsConfig | None = None) -> str:
+    """The row's own ``reward`` wins; else ``rewards.by_modality[modality]``, else ``rewards.default``."""
+    if sample.reward:
+        return sample.reward
+    if cfg is None:
+        return "mcq"
+    return cfg.by_modality.get(sample.modality, cfg.default)
 
 
-__all__ = ["REWARDS_GROUP", "available_rewards", "get_reward", "score_sample"]
+def score_sample(sample: Sample, completion_text: str, cfg: RewardsConfig | None = None) -> float:
+    """Score one completion with the reward chosen by ``reward_name``."""
+    return get_reward(reward_name(sample, cfg)).score(sample, completion_text)
+
+
+__all__ = ["REWARDS_GROUP", "available_rewards", "get_reward", "reward_name", "score_sample"]
