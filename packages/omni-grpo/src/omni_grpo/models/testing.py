@@ -1,4 +1,4 @@
-"""Hand-built Qwen3-Omni thinker batches (placeholders expanded as the Omni processor does).
+"""Hand-built Qwen3-Omni thinker batches for tests (placeholders expanded as the Omni processor does).
 
 Each sample is a list of segments; one sample may mix text, images, videos, separate audios and
 videos with their audio track (``use_audio_in_video``). The builder knows nothing of our thinker:
@@ -109,11 +109,21 @@ def build_sample(segments: list[tuple], ids: Ids, gen: torch.Generator) -> dict[
 
 
 def build_batch(
-    samples: list[list[tuple]], ids: Ids, padding_side: str = "left", seed: int = 0
+    samples: list[list[tuple]],
+    ids: Ids,
+    padding_side: str = "left",
+    seed: int = 0,
+    first_index: int = 0,
 ) -> dict[str, Any]:
-    """Model kwargs for a padded batch of samples (media tensors concatenated in batch order)."""
-    gen = torch.Generator().manual_seed(seed)
-    built = [build_sample(s, ids, gen) for s in samples]
+    """Model kwargs for a padded batch of samples (media tensors concatenated in batch order).
+
+    Sample ``i`` draws its media from seed ``(seed, first_index + i)``, so a sample built alone
+    (``first_index=i``) gets exactly the media it has inside a batch.
+    """
+    built = [
+        build_sample(s, ids, torch.Generator().manual_seed(seed * 1000 + first_index + i))
+        for i, s in enumerate(samples)
+    ]
     length = max(len(b["tokens"]) for b in built)
     input_ids = torch.full((len(built), length), ids.pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

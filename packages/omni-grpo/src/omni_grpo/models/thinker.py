@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omni_audio_inject import AudioInjector, audio_output_lengths
+from omni_audio_inject import AudioInjector, PlaceholderCountError, audio_output_lengths
 from torch import nn
 
 from omni_grpo.models.positions import decode_positions
@@ -125,6 +125,36 @@ class OmniThinker(nn.Module):
         n_window = int(self.sideband.raw.get("audio_config", {}).get("n_window", 50))
         return audio_output_lengths(feature_attention_mask.sum(-1), n_window)
 
+    def _check_audio_counts(
+        self,
+        input_ids: torch.Tensor,
+        input_features: torch.Tensor | None,
+        feature_attention_mask: torch.Tensor | None,
+    ) -> None:
+        """Placeholders vs. the tokens the audio lengths imply, before positions or the tower run.
+
+        The same count is checked again against the tower's actual output at scatter time; this
+        early check gives the clear message before omni-rope reports a malformed layout.
+        """
+        placeholders = int((input_ids == self.sideband.audio_token_id).sum())
+        if input_features is None:
+            expected = 0
+        else:
+            if feature_attention_mask is None:
+                frames = torch.full((input_features.shape[0],), input_features.shape[-1])
+            else:
+                frames = feature_attention_mask.sum(-1)
+            n_window = int(self.sideband.raw.get("audio_config", {}).get("n_window", 50))
+            expected = int(audio_output_lengths(frames, n_window).sum())
+        if placeholders != expected:
+            raise PlaceholderCountError(
+                placeholders,
+                expected,
+                "expected from feature_attention_mask"
+                if input_features is not None
+                else "no input_features were given",
+            )
+
     # ------------------------------------------------------------------ forward
 
     def forward(
@@ -162,6 +192,7 @@ class OmniThinker(nn.Module):
             kwargs.pop(unsupported, None)
         cache = cache if cache is not None else past_key_values
         past = _seq_length(cache)
+        self._check_audio_counts(input_ids, input_features, feature_attention_mask)
         if position_ids is None:
             if past == 0:
                 position_ids, self.rope_deltas = self.compute_position_ids(
@@ -209,8 +240,13 @@ class OmniThinker(nn.Module):
         """What to hand the optimizer."""
         return [p for p in self.parameters() if p.requires_grad]
 
-    def sync_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-        """Weights to push to a rollout engine, VL names, no audio tower (it never changes)."""
+    def sync_state_dict(self, trainable_only: bool = True) -> dict[str, torch.Tensor]:
+        """Weights to push to a rollout engine (VL names, HF in-memory layout).
+
+        Only what training changes by default: frozen parts (the vision tower unless unfrozen) are
+        already on the server, and the audio tower is never among them (not a parameter at all).
+        Feed to ``omni_extract``'s ``to_server_tensors(..., layout="hf_memory")`` for server names.
+        """
         state = self.state_dict()
         if trainable_only:
             keep = set(self.trainable_parameter_names())
