@@ -105,3 +105,20 @@ def test_b64_reads_buffer_without_copy_semantics():
     a = np.arange(12, dtype=np.float32)[::2]  # non-contiguous input still encodes its values
     enc = EncodedTensor.encode("x", a)
     np.testing.assert_array_equal(server_decode(enc), a)
+
+
+@pytest.mark.parametrize(
+    "value, bits",
+    [
+        (1.0, 0x3F80),
+        (1.0078125, 0x3F81),  # exactly representable
+        (1.00390625, 0x3F80),  # tie between 0x3F80 and 0x3F81 -> even
+        (1.01171875, 0x3F82),  # tie between 0x3F81 and 0x3F82 -> even
+        (np.nextafter(np.float32(1.00390625), np.float32(2)), 0x3F81),  # just above the tie
+        (-2.0, 0xC000),
+        (np.inf, 0x7F80),
+    ],
+)
+def test_bf16_round_to_nearest_even_by_definition(value, bits):
+    """IEEE bfloat16 = the top 16 bits of float32, rounded to nearest, ties to even (no torch)."""
+    assert int(round_to_bf16_bits(np.array([value], dtype=np.float32))[0]) == bits
