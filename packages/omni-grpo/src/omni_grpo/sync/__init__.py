@@ -72,9 +72,8 @@ def make_weight_sync(
             make_clients(cfg),
             loop,
             Path(cfg.sync_dir or Path(run_dir) / "weight_sync"),
-            timeout_s=cfg.timeout_s,
             send_dtype=send_dtype,
-            **kwargs,
+            **{"timeout_s": cfg.timeout_s, **kwargs},
         )
     elif cfg.sync_mode == "distributed":
         from omni_grpo.sync.distributed import DistributedWeightSync
@@ -83,14 +82,8 @@ def make_weight_sync(
         if not clients and cfg.router_url:
             router = make_clients(cfg)[0]
             clients = loop.run(router.worker_clients(), cfg.timeout_s)
-        sync = DistributedWeightSync(
-            clients,
-            loop,
-            bucket_bytes=cfg.bucket_mb << 20,
-            timeout_s=cfg.timeout_s,
-            send_dtype=send_dtype,
-            **kwargs,
-        )
+        options = {"bucket_bytes": cfg.bucket_mb << 20, "timeout_s": cfg.timeout_s, **kwargs}
+        sync = DistributedWeightSync(clients, loop, send_dtype=send_dtype, **options)
     else:
         raise ValueError(
             f"rollout.sglang.sync_mode: expected skip|disk|distributed, got {cfg.sync_mode!r}"

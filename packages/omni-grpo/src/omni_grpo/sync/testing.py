@@ -113,7 +113,11 @@ class ServerSideReceivers:
         self.servers = servers
         self.out_dir = Path(out_dir)
         self.backend = backend
-        self._ctx = mp.get_context("spawn")
+        # forkserver: children fork from one server process that imported torch once (a fresh
+        # interpreter per receiver pays the torch import each time), and never from this
+        # multi-threaded test process (fork with live threads is unsafe).
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["torch", "omni_grpo.sync.testing"])
         self._procs: list[Any] = []
         self._inboxes: dict[int, list[Any]] = defaultdict(list)  # server index -> receiver queues
         self._group: dict[int, str] = {}
@@ -180,14 +184,19 @@ class ServerSideReceivers:
             for q in self._inboxes[i]:
                 q.put((payload["names"], payload["dtypes"], payload["shapes"]))
 
-    def received(self, group_name: str) -> dict[int, dict[str, torch.Tensor]]:
-        """Per receiver rank: every tensor it received, by name (later buckets override none:
-        a name received twice is an error)."""
+    def received(
+        self, group_name: str, buckets: slice = slice(None)
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Per receiver rank: the tensors of the selected buckets (in receive order), by name.
+
+        One push sends every name once, so select one push's buckets; a name received twice
+        within the selection is an error.
+        """
         out: dict[int, dict[str, torch.Tensor]] = {}
         for rank_dir in sorted((self.out_dir / group_name).glob("rank*")):
             rank = int(rank_dir.name[4:])
             got: dict[str, torch.Tensor] = {}
-            for file in sorted(rank_dir.glob("bucket*.safetensors")):
+            for file in sorted(rank_dir.glob("bucket*.safetensors"))[buckets]:
                 with safe_open(str(file), "pt") as f:
                     for key in f.keys():  # noqa: SIM118
                         if key in got:
