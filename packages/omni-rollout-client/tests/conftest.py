@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
-
 import pytest
 from omni_rollout_client.testing import FakeOmniServer
+from omni_rollout_client.testing.fixtures import fake_omni_server, make_fake_omni_server  # noqa: F401
 
 
 @pytest.fixture
-def make_server() -> Iterator[Callable[..., FakeOmniServer]]:
-    started: list[FakeOmniServer] = []
-
-    def make(**kwargs: Any) -> FakeOmniServer:
-        server = FakeOmniServer(**kwargs)
-        server.start()
-        started.append(server)
-        return server
-
-    yield make
-    for server in started:
-        server.stop()
+def make_server(make_fake_omni_server):  # noqa: F811
+    return make_fake_omni_server
 
 
 @pytest.fixture
-def server(make_server: Callable[..., FakeOmniServer]) -> FakeOmniServer:
-    return make_server()
+def server(fake_omni_server) -> FakeOmniServer:  # noqa: F811
+    return fake_omni_server
