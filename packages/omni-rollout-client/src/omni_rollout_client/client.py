@@ -444,19 +444,31 @@ class OmniRolloutClient:
             body=_response_body(response),
         )
 
-    async def wait_until_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> HealthStatus:
-        """Poll /health until 200 (0.1.9 answers 503 "starting" while loading)."""
+    async def wait_until_ready(
+        self, timeout_s: float = 600.0, poll_s: float = 1.0, *, check_model_info: bool = True
+    ) -> HealthStatus:
+        """Poll /health until 200 (0.1.9 answers 503 "starting" while loading), then, with
+        ``check_model_info``, until /model_info answers too (fork-main servers report healthy
+        before every stage has loaded; upstream's own e2e test waits on /model_info)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        last: object = None
         while True:
             status = await self.health()
+            last = (status.status_code, status.body)
             if status.ok:
-                return status
+                if not check_model_info:
+                    return status
+                try:
+                    await self.model_info()
+                    return status
+                except (TransientServerError, ContractError) as exc:
+                    if isinstance(exc, AdminAuthError):
+                        raise
+                    last = f"/model_info: {exc}"
             if loop.time() >= deadline:
                 raise TransientServerError(
-                    f"/health not ready after {timeout_s}s: {status.status_code} {status.body!r}"[
-                        :1000
-                    ],
+                    f"server not ready after {timeout_s}s: {last!r}"[:1000],
                     route="/health",
                     status_code=status.status_code or None,
                     attempts=0,

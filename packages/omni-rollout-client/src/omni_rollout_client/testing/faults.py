@@ -31,10 +31,10 @@ class Faults:
         """Answer the next ``count`` requests with ``status`` (a 5xx burst), before executing."""
         self._arm(route, Fault("status", status=status), count)
 
-    def drop_next(self, count: int = 1, *, route: str = "/generate") -> None:
-        """Execute the next ``count`` requests, then cut the connection mid-response (the work
-        is done server-side but the client never sees the result)."""
-        self._arm(route, Fault("drop"), count)
+    def drop_next(self, count: int = 1) -> None:
+        """Execute the next ``count`` /generate requests, then cut the connection mid-response
+        (the work is done server-side but the client never sees the result)."""
+        self._arm("/generate", Fault("drop"), count)
 
     def delay_next(self, count: int = 1, *, seconds: float, route: str = "/generate") -> None:
         """Sleep ``seconds`` before handling each of the next ``count`` requests (slow server)."""
