@@ -6,6 +6,7 @@
 
 from omni_rope.config import OmniRopeConfig
 from omni_rope.errors import OmniRopeError
+from omni_rope.hf_vl import OmniRopeHandle, install_omni_rope, next_position_ids
 from omni_rope.layout import (
     audio_in_video_body_kinds,
     audio_in_video_segment_ids,
@@ -19,11 +20,14 @@ from omni_rope.positions import get_rope_index
 __all__ = [
     "OmniRopeConfig",
     "OmniRopeError",
+    "OmniRopeHandle",
     "audio_in_video_body_kinds",
     "audio_in_video_segment_ids",
     "audio_output_length",
     "audio_segment_ids",
     "get_rope_index",
     "image_segment_ids",
+    "install_omni_rope",
+    "next_position_ids",
     "video_segment_ids",
 ]
