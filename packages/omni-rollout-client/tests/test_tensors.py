@@ -122,3 +122,13 @@ def test_b64_reads_buffer_without_copy_semantics():
 def test_bf16_round_to_nearest_even_by_definition(value, bits):
     """IEEE bfloat16 = the top 16 bits of float32, rounded to nearest, ties to even (no torch)."""
     assert int(round_to_bf16_bits(np.array([value], dtype=np.float32))[0]) == bits
+
+
+def test_fast_base64_matches_stdlib():
+    import binascii
+
+    from omni_rollout_client.tensors import b64encode
+
+    a = np.random.default_rng(2).integers(0, 255, size=(1001,), dtype=np.uint8)
+    assert b64encode(a) == binascii.b2a_base64(a.tobytes(), newline=False)
+    assert b64encode(a[:1000].reshape(10, 100)) == base64.b64encode(a[:1000].tobytes())
