@@ -1,9 +1,12 @@
 """Streaming extraction of a Qwen3-Omni hub checkpoint into a text, pseudo-VL or audio checkpoint.
 
-Memory: input shards are opened lazily with ``safe_open`` (memory-mapped) one at a time and closed
-before the next, output shards are streamed tensor by tensor (``writer.ShardWriter``), and expert
-fusion builds one layer's fused tensor at a time. Peak RSS is therefore about one input shard of
-mapped pages plus the largest single output tensor, independent of the checkpoint size.
+Memory: nothing is memory-mapped. Tensors that pass through unchanged go from the input shard to
+the output shard with ``sendfile`` (in the kernel, like ``cp``); fused experts are built and
+written one expert at a time (each expert's block is contiguous in the VL layout), read with
+``pread`` from whichever shard holds it — so a layer whose experts straddle shards costs nothing
+extra. Only a dtype conversion holds a whole tensor. Peak RSS is therefore the interpreter plus
+one tensor at most, far below "one input shard + one output shard", at any checkpoint size.
+The plan still streams in input-shard order, so cold reads stay sequential.
 
 Safety: the whole plan is validated from headers before any data is read; the output is written
 into a temporary sibling of ``dst`` and renamed into place at the very end; on any error the
@@ -18,17 +21,15 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from omni_extract import configs
 from omni_extract.artifacts import copy_processor_artifacts
 from omni_extract.errors import DestinationExistsError, ExtractError
+from omni_extract.kernels import pread_into, transpose_into
 from omni_extract.plan import (
     DtypeChoice,
     ExtractionPlan,
@@ -36,8 +37,8 @@ from omni_extract.plan import (
     Variant,
     build_plan,
 )
-from omni_extract.source import INDEX_FILE, SINGLE_FILE, OmniSource, open_source
-from omni_extract.writer import ShardWriter
+from omni_extract.source import INDEX_FILE, SINGLE_FILE, OmniSource, SourceTensor, open_source
+from omni_extract.writer import ShardWriter, tensor_bytes
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -80,44 +81,53 @@ def parse_size(size: int | str) -> int:
 # ----------------------------------------------------------------------------- tensor production
 
 
-class _ShardReaders:
-    """Lazily opened ``safe_open`` handles, all closed when the stream moves to the next shard."""
+class _Inputs:
+    """Raw read-only descriptors of the input shards, opened on first use."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._stack = ExitStack()
-        self._open: dict[str, Any] = {}
+        self._fds: dict[str, int] = {}
 
-    def get(self, file: str, name: str) -> torch.Tensor:
-        handle = self._open.get(file)
-        if handle is None:
-            handle = self._stack.enter_context(safe_open(self.root / file, framework="pt"))
-            self._open[file] = handle
-        return handle.get_tensor(name)
+    def fd(self, file: str) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+        return self._fds[file]
+
+    def read(self, src: SourceTensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        buf = torch.empty(src.shape, dtype=src.dtype) if into is None else into
+        return pread_into(self.fd(src.file), buf, src.offset)
 
     def close(self) -> None:
-        self._open.clear()
-        self._stack.close()
-        self._stack = ExitStack()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
-def _materialise(out: OutputTensor, readers: _ShardReaders) -> torch.Tensor:
+def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs) -> int:
+    """Stream one output tensor into ``writer``; at most one expert's matrices are in memory."""
+    writer.begin(out.name, out.dtype, out.shape)
     if out.source is not None:
-        t = readers.get(out.source.file, out.source.name)
-        if tuple(t.shape) != out.shape:  # the header lied, or the file changed under us
-            raise ExtractError(f"{out.source.file}: {out.source.name} read as {tuple(t.shape)}")
-        return t if t.dtype == out.dtype else t.to(out.dtype)
-    # Fused experts, VL hub layout: gate_up [E, H, 2I] (gate then up), down [E, I, H].
-    buf = torch.empty(out.shape, dtype=out.dtype)
-    for src, expert, part in out.parts:
-        w = readers.get(src.file, src.name).T  # [I,H] -> [H,I], or down [H,I] -> [I,H]
-        if part == "down":
-            buf[expert].copy_(w)
+        src = out.source
+        if src.dtype == out.dtype:  # pass-through: a kernel-side copy, like cp
+            writer.copy_from(inputs.fd(src.file), src.offset, src.nbytes)
+        else:
+            writer.append(tensor_bytes(inputs.read(src).to(out.dtype)))
+        return writer.end()
+    # Fused experts in the VL hub layout, written expert by expert (each expert's block is
+    # contiguous in the output): gate_up [E, H, 2I] = (gate_e.T | up_e.T), down [E, I, H] = down_e.T.
+    by_part = {(expert, part): src for src, expert, part in out.parts}
+    first = out.parts[0][0]
+    scratch = torch.empty(first.shape, dtype=first.dtype)
+    block = torch.empty(out.shape[1:], dtype=out.dtype)
+    for expert in range(out.shape[0]):
+        if out.fused == "down":
+            transpose_into(block, inputs.read(by_part[expert, "down"], scratch))
         else:
             half = out.shape[2] // 2
-            cols = slice(0, half) if part == "gate" else slice(half, 2 * half)
-            buf[expert, :, cols].copy_(w)
-    return buf
+            transpose_into(block[:, :half], inputs.read(by_part[expert, "gate"], scratch))
+            transpose_into(block[:, half:], inputs.read(by_part[expert, "up"], scratch))
+        writer.append(tensor_bytes(block))
+    return writer.end()
 
 
 def _shard_names(n: int) -> list[str]:
@@ -131,20 +141,14 @@ def stream_weights(
 ) -> tuple[str, ...]:
     """Write the planned tensors into ``out_dir`` as sharded safetensors (+ index if >1 shard)."""
     names = _shard_names(len(plan.shards))
-    readers = _ShardReaders(source.root)
-    current_file = -1
+    inputs = _Inputs(source.root)
     weight_map: dict[str, str] = {}
     try:
         for fname, shard in zip(names, plan.shards, strict=True):
             writer = ShardWriter(out_dir / fname, [o.planned for o in shard], SAFETENSORS_METADATA)
             try:
                 for out in shard:
-                    if out.last_file != current_file:
-                        readers.close()  # drop the previous shard's mapped pages
-                        current_file = out.last_file
-                    tensor = _materialise(out, readers)
-                    nbytes = writer.write(out.name, tensor)
-                    del tensor
+                    nbytes = _emit(out, writer, inputs)
                     weight_map[out.name] = fname
                     if progress is not None:
                         progress(nbytes, 1)
@@ -153,7 +157,7 @@ def stream_weights(
                 writer.abort()
                 raise
     finally:
-        readers.close()
+        inputs.close()
     if len(names) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -1,7 +1,10 @@
 """Reading a Qwen3-Omni hub checkpoint lazily: its config, its shard index and tensor headers.
 
-Only safetensors headers are read here (``safe_open`` maps the file but touches no tensor data),
-so planning an extraction of the 65 GB release costs a few megabytes of memory.
+Only safetensors headers are read here (``safe_open`` validates each file and lists dtypes and
+shapes without touching tensor data), so planning an extraction of the 65 GB release costs a few
+megabytes. We also record each tensor's absolute byte offset (from the same JSON header), because
+the stream then reads tensor bytes with ``pread``/``sendfile`` instead of through a memory map:
+mapped pages would count towards RSS and cost one more copy (see ``convert.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class SourceTensor:
     file_index: int  # position of the shard in sorted order (the streaming order)
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the tensor data in ``file``
 
     @property
     def nbytes(self) -> int:
@@ -109,9 +113,19 @@ def _shard_files(root: Path) -> tuple[str, ...]:
     raise MissingShardError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
 
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Absolute data offset of every tensor, from the safetensors header (u64 length + JSON)."""
+    with open(path, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(header_len))
+    base = 8 + header_len
+    return {k: base + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def _read_headers(root: Path, files: tuple[str, ...]) -> dict[str, SourceTensor]:
     tensors: dict[str, SourceTensor] = {}
     for i, fname in enumerate(files):
+        offsets = _data_offsets(root / fname)
         with safe_open(root / fname, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 sl = f.get_slice(name)
@@ -126,7 +140,7 @@ def _read_headers(root: Path, files: tuple[str, ...]) -> dict[str, SourceTensor]
                         f"tensor {name!r} appears in both {tensors[name].file} and {fname}"
                     )
                 tensors[name] = SourceTensor(
-                    name, fname, i, ST_TO_TORCH[tag], tuple(sl.get_shape())
+                    name, fname, i, ST_TO_TORCH[tag], tuple(sl.get_shape()), offsets[name]
                 )
     return tensors
 

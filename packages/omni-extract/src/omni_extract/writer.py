@@ -2,9 +2,10 @@
 
 ``safetensors.torch.save_file`` needs every tensor of a shard in memory and then serialises a
 second copy, i.e. 2x a shard of RSS. Because the extraction plan knows every output tensor's name,
-dtype and shape before reading any data, we can write the (standard) safetensors header first and
-then append each tensor's bytes as soon as it exists: one tensor in memory instead of two shards.
-The files are plain safetensors (8-byte little-endian header length, JSON header with
+dtype and shape before reading any data, we write the (standard) safetensors header first and then
+append each tensor's bytes as they are produced — whole tensors, pieces (one fused expert at a
+time), or a kernel-side ``sendfile`` straight from the input shard for tensors that pass through
+unchanged. The files are plain safetensors (8-byte little-endian header length, JSON header with
 ``__metadata__ = {"format": "pt"}``, contiguous data) and are read back with ``safe_open`` in tests.
 """
 
@@ -14,7 +15,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -52,37 +52,85 @@ def _header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous tensor, without a copy."""
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
 class ShardWriter:
-    """Write one shard whose tensors arrive one at a time, in the announced order."""
+    """Write one shard whose tensors arrive in the announced order, each checked for size."""
 
     def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str]) -> None:
         self.path = path
         self._pending = list(reversed(tensors))
-        self._fh: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._fh.write(_header(tensors, metadata))
+        self._current: PlannedTensor | None = None
+        self._remaining = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        write_all(self._fd, memoryview(_header(tensors, metadata)))
 
-    def write(self, name: str, tensor: torch.Tensor) -> int:
-        """Append ``tensor`` (must be the next announced one, same dtype and shape); return bytes."""
+    def begin(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Start the next announced tensor; its bytes follow through ``append``/``copy_from``."""
+        if self._current is not None:
+            raise RuntimeError(f"{self.path}: {self._current.name} not finished")
         if not self._pending:
             raise RuntimeError(f"{self.path}: unexpected extra tensor {name!r}")
         want = self._pending.pop()
-        if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
+        if name != want.name or dtype != want.dtype or tuple(shape) != want.shape:
             raise RuntimeError(
                 f"{self.path}: expected {want.name} {want.dtype} {want.shape}, "
-                f"got {name} {tensor.dtype} {tuple(tensor.shape)}"
+                f"got {name} {dtype} {tuple(shape)}"
             )
-        if want.nbytes:
-            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._fh.write(memoryview(data))
-        return want.nbytes
+        self._current, self._remaining = want, want.nbytes
+
+    def append(self, data: memoryview) -> None:
+        self._take(len(data))
+        write_all(self._fd, data)
+
+    def copy_from(self, src_fd: int, offset: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``offset`` of another file in the kernel (no user-space copy)."""
+        self._take(nbytes)
+        while nbytes:
+            try:
+                sent = os.sendfile(self._fd, src_fd, offset, nbytes)
+            except OSError:  # filesystems without sendfile between files: plain read/write
+                sent = len(chunk := os.pread(src_fd, min(nbytes, 1 << 26), offset))
+                write_all(self._fd, memoryview(chunk))
+            if sent == 0:
+                raise OSError(f"{self.path}: source ended {nbytes} bytes early at offset {offset}")
+            offset += sent
+            nbytes -= sent
+
+    def end(self) -> int:
+        """Finish the current tensor (all its bytes must have arrived); return its size."""
+        cur = self._current
+        if cur is None or self._remaining:
+            raise RuntimeError(f"{self.path}: {cur and cur.name} is {self._remaining} bytes short")
+        self._current = None
+        return cur.nbytes
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Write a whole tensor (the next announced one, same dtype and shape)."""
+        self.begin(name, tensor.dtype, tuple(tensor.shape))
+        if tensor.numel():
+            self.append(tensor_bytes(tensor))
+        return self.end()
+
+    def _take(self, n: int) -> None:
+        if self._current is None or n > self._remaining:
+            raise RuntimeError(f"{self.path}: {n} bytes more than announced for {self._current}")
+        self._remaining -= n
 
     def close(self) -> None:
-        if self._pending:
-            self._fh.close()
-            raise RuntimeError(f"{self.path}: {len(self._pending)} announced tensors never written")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
+        if self._pending or self._current is not None:
+            os.close(self._fd)
+            raise RuntimeError(f"{self.path}: announced tensors never written")
+        os.close(self._fd)
 
     def abort(self) -> None:
-        self._fh.close()
+        os.close(self._fd)
