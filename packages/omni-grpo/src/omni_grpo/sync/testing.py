@@ -84,7 +84,11 @@ def _receiver_main(
     group = build_group(
         store, group_name=group_name, world_size=world, rank=rank, backend=backend, timeout_s=120
     )
-    device = "cuda" if backend == "nccl" else "cpu"
+    # NCCL refuses two ranks on one GPU: receiver rank r takes GPU r (mod count); the trainer is
+    # rank 0 on GPU 0.
+    device = f"cuda:{rank % torch.cuda.device_count()}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
     rank_dir = Path(out_dir) / f"rank{rank}"
     rank_dir.mkdir(parents=True, exist_ok=True)
     k = 0
