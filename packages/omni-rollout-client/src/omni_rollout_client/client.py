@@ -17,6 +17,7 @@ connection silently; the next pooled request then fails with a read error).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -216,8 +217,13 @@ class OmniRolloutClient:
         retry: Retry,
         read_timeout: float,
         abort_epoch: int | None = None,
+        limited: bool = False,
     ) -> tuple[int, Any, int]:
-        """Send with retries; return ``(status, body, attempts)`` for 2xx, raise otherwise."""
+        """Send with retries; return ``(status, body, attempts)`` for 2xx, raise otherwise.
+
+        ``limited`` requests hold a concurrency slot per attempt (not during backoff sleeps);
+        ``abort_epoch`` marks a /generate whose failure after our own abort must not be retried.
+        """
         headers = self._admin_headers() if admin else {}
         timeout = httpx.Timeout(
             connect=self.timeouts.connect,
@@ -232,32 +238,21 @@ class OmniRolloutClient:
             status: int | None = None
             body: Any = None
             try:
+                content = headers_for_body = None
                 if chunks is not None:
-                    request_headers = {
-                        **headers,
+                    content = _aiter_chunks(chunks)  # a fresh stream per attempt, same buffers
+                    headers_for_body = {
                         "Content-Type": "application/json",
                         "Content-Length": str(sum(len(c) for c in chunks)),
                     }
-                    if abort_epoch is not None:
-                        async with self._slots:
-                            response = await self._http.request(
-                                method,
-                                route,
-                                content=_aiter_chunks(chunks),
-                                headers=request_headers,
-                                timeout=timeout,
-                            )
-                    else:
-                        response = await self._http.request(
-                            method,
-                            route,
-                            content=_aiter_chunks(chunks),
-                            headers=request_headers,
-                            timeout=timeout,
-                        )
-                else:
+                async with self._slots if limited else contextlib.nullcontext():
                     response = await self._http.request(
-                        method, route, json=json_body, headers=headers, timeout=timeout
+                        method,
+                        route,
+                        content=content,
+                        json=json_body if chunks is None else None,
+                        headers={**headers, **(headers_for_body or {})},
+                        timeout=timeout,
                     )
             except httpx.TransportError as exc:
                 retryable = retry is Retry.ALL or (
@@ -344,6 +339,7 @@ class OmniRolloutClient:
             retry=Retry.ALL,
             read_timeout=self.timeouts.generate,
             abort_epoch=self._abort_epoch,
+            limited=True,
         )
         result = parse_generate_response(body, attempts=attempts)
         if result.prompt_tokens != len(prompt.input_ids):
