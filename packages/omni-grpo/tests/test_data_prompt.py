@@ -206,3 +206,34 @@ def test_dataset_from_config(tiny_omni_dir: Path, media_root: Path, tmp_path: Pa
     assert ds.load(0) is not None and ds.root == media_root
     with pytest.raises(ValueError, match="data.eval is not set"):
         OmniDataset.from_config(DataConfig(train=f), tiny_omni_dir, "eval")
+
+
+def test_builder_on_extracted_vl_dir_real_vocab(
+    tiny_omni_real_vocab_dir: Path, media_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The trainer builds prompts from omni-extract's ``vl`` output: ids come from its omni_sideband
+    and must be the released ones with the real Qwen3 tokenizer."""
+    from omni_extract import extract
+    from omni_extract.tokens import REAL_IDS
+
+    vl = tmp_path_factory.mktemp("vl") / "vl"
+    extract(tiny_omni_real_vocab_dir, vl, variant="vl")
+    b = PromptBuilder(vl, DataConfig())
+    toks = ModelTokens.from_dir(vl)
+    assert (toks.image_token_id, toks.video_token_id, toks.audio_token_id) == (
+        151655,
+        151656,
+        151675,
+    )
+    s = Sample(
+        uid="r",
+        prompt="<audio><image>Which?",
+        label="A",
+        media=[{"type": "audio", "path": "tone.wav"}, {"type": "image", "path": "img.png"}],
+    )
+    p = b.build(s, media_root)
+    assert (
+        p.input_ids.count(toks.audio_token_id) == 13 and p.input_ids.count(toks.image_token_id) == 6
+    )
+    assert p.input_ids[:1] == [REAL_IDS["im_start_token_id"]]
+    assert b.tokenizer.decode(p.input_ids).endswith("Which?<|im_end|>\n<|im_start|>assistant\n")
