@@ -187,7 +187,7 @@ def test_failed_rollout_aborts_everything_and_raises(server) -> None:
     server.faults.fail_next(1, status=400)
     engine = engine_for(server)
     try:
-        with pytest.raises(SglangOmniEngineError):
+        with pytest.raises(SglangOmniEngineError, match="ContractError: /generate: HTTP 400"):
             engine.generate(
                 [make_prompt("a"), make_prompt("b")],
                 2,

@@ -29,12 +29,13 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from omni_grpo.sync.loop import BackgroundLoop
-from omni_grpo.types import Completion, PromptInputs, SamplingConfig
 from omni_rollout_client.client import ModelInfo, OmniRolloutClient, Timeouts
 from omni_rollout_client.payload import BF16_CASTABLE, PreparedPrompt
 from omni_rollout_client.result import GenerateResult
 from omni_rollout_client.sampling import filter_sampling_params
+
+from omni_grpo.sync.loop import BackgroundLoop
+from omni_grpo.types import Completion, PromptInputs, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +200,11 @@ class SglangOmniEngine:
                 self.abort_all()
             except Exception as abort_exc:  # noqa: BLE001 - the rollout error is the one to raise
                 log.error("abort_all after a failed rollout also failed: %s", abort_exc)
-            if isinstance(exc, Exception) and not isinstance(
-                exc, SglangOmniEngineError | ValueError
-            ):
-                raise SglangOmniEngineError(f"sglang-omni rollout failed: {exc}") from exc
+            cause = _first_leaf(exc)
+            if isinstance(cause, Exception):
+                raise SglangOmniEngineError(
+                    f"sglang-omni rollout failed: {type(cause).__name__}: {cause}"
+                ) from cause
             raise
         out: list[list[Completion]] = []
         versions: set[str] = set()
@@ -259,6 +261,13 @@ class SglangOmniEngine:
             weight_version=str(r.weight_version) if r.weight_version is not None else "default",
             text=r.text,
         )
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups raised by ``asyncio.TaskGroup``."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def _gather(coros):  # type: ignore[no-untyped-def]
