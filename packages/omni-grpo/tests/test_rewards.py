@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omni_grpo import rewards as reg
 from omni_grpo.rewards import available_rewards, get_reward, reward_name, score_sample
 from omni_grpo.rewards.answer_tag import AnswerTagReward
@@ -187,3 +189,32 @@ def test_reward_name_precedence() -> None:
     )
     s = Sample(uid="1", prompt="", label="1/2", reward="", modality="video")
     assert score_sample(s, "\\boxed{0.5}", cfg) == 1.0
+
+
+_FILLER = st.text(
+    alphabet=st.sampled_from("abcdefghijklmnopqrstuvwxyz ,.;\n0123456789"), max_size=60
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    _FILLER,
+    st.sampled_from("ABCD"),
+    _FILLER,
+    st.sampled_from(["<answer>{}</answer>", "Answer: {}", "({})", "\\boxed{{{}}}"]),
+)
+def test_mcq_finds_letter_in_lowercase_noise(pre: str, letter: str, post: str, form: str) -> None:
+    assert extract_choice(pre + " " + form.format(letter) + " " + post, CHOICES4) == letter
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(-999, 999), st.integers(1, 64))
+def test_math_fraction_forms_agree(p: int, q: int) -> None:
+    from fractions import Fraction
+
+    v = Fraction(p, q)
+    frac = f"-\\frac{{{abs(p)}}}{{{q}}}" if p < 0 else f"\\dfrac{{{p}}}{{{q}}}"
+    assert math_equal(frac, f"{p}/{q}")
+    if v.denominator in (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64):  # terminating decimals
+        assert math_equal(frac, str(float(v)))
+    assert not math_equal(frac, f"{p + q}/{q}")
