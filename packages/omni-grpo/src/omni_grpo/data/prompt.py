@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from omni_grpo.data.audio import audio_features, audio_tokens, whisper_kwargs
 from omni_grpo.data.media import MediaError, load_audio, load_image, load_video, resolve_media
 from omni_grpo.data.schema import PLACEHOLDER

@@ -22,8 +22,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from omni_grpo.types import Sample
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from omni_grpo.types import Sample
 
 MediaType = Literal["image", "video", "audio"]
 PLACEHOLDER = re.compile(r"<(image|video|audio)>")
