@@ -45,10 +45,21 @@ class Batch:
 
 
 @st.composite
-def batches(draw, config: OmniRopeConfig, max_rows: int = 4, max_segments: int = 4) -> Batch:
+def batches(
+    draw,
+    config: OmniRopeConfig,
+    max_rows: int = 4,
+    max_segments: int = 4,
+    images_only: bool = False,
+) -> Batch:
+    """A padded batch of random text/image/video/audio layouts and its batch-global media lists.
+
+    ``images_only``: text and single-frame images only (what the processor produces for images).
+    """
     m = config.spatial_merge_size
-    aiv = draw(st.booleans())
-    kinds = ["image", "audio", "aiv" if aiv else "video"]
+    aiv = False if images_only else draw(st.booleans())
+    kinds = ["image"] if images_only else ["image", "audio", "aiv" if aiv else "video"]
+    image_t = [1] if images_only else [1, 1, 2]
     side = draw(st.sampled_from(["left", "right"]))
     spg_dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     images, videos, spgs, audios = [], [], [], []
@@ -60,7 +71,7 @@ def batches(draw, config: OmniRopeConfig, max_rows: int = 4, max_segments: int =
             row_names.append(kind)
             if kind == "image":
                 g = [
-                    draw(st.sampled_from([1, 1, 2])),
+                    draw(st.sampled_from(image_t)),
                     m * draw(st.integers(1, 4)),
                     m * draw(st.integers(1, 4)),
                 ]
