@@ -158,6 +158,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--no-sync", action="store_true")
+    ap.add_argument("--big-batch", type=int, default=8, help="also time the grouped model at this batch (0: skip)")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -179,6 +180,11 @@ def main() -> None:
     result["mfu_vs_measured_matmul"] = grouped["model_tflops"] / result["matmul_8192_tflops"]
     if not args.no_sync and torch.cuda.device_count() > 1:
         result["weight_sync"] = bench_sync(state, device, args.bucket_mb)
+    del state
+    torch.cuda.empty_cache()
+    if args.big_batch:
+        big = argparse.Namespace(**{**vars(args), "batch": args.big_batch})
+        result[f"grouped_batch{args.big_batch}"], _ = bench_step(big, "grouped", device)
     print(json.dumps(result))
 
 

@@ -62,7 +62,9 @@ def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
 class GroupedExperts(nn.Module):
     """Drop-in for megatron-core's experts module (same constructor and forward contract).
 
-    ``fc1_weight [E_local, 2I, H]`` (gate rows then up rows), ``fc2_weight [E_local, H, I]``.
+    Weights are stored in the HF hub / sglang layout, ``fc1_weight [E_local, H, 2I]`` (gate
+    columns then up columns) and ``fc2_weight [E_local, I, H]``: that is exactly the ``[K, N]``
+    operand ``torch._grouped_mm`` wants, and weight export / sync sends it without a transposing copy.
     forward(tokens sorted by local expert, tokens_per_expert, probs) -> (output, None).
     """
 
@@ -79,8 +81,8 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = num_local_experts
         hidden, inter = config.hidden_size, config.moe_ffn_hidden_size
         dev, dtype = _param_device(config), config.params_dtype
-        self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, 2 * inter, hidden, device=dev, dtype=dtype))
-        self.fc2_weight = nn.Parameter(torch.empty(num_local_experts, hidden, inter, device=dev, dtype=dtype))
+        self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, hidden, 2 * inter, device=dev, dtype=dtype))
+        self.fc2_weight = nn.Parameter(torch.empty(num_local_experts, inter, hidden, device=dev, dtype=dtype))
         std = getattr(config, "init_method_std", 0.02)
         with torch.no_grad():
             self.fc1_weight.normal_(0.0, std)
@@ -93,22 +95,22 @@ class GroupedExperts(nn.Module):
     def _loop(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         outs = []
         for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(probs, counts))):
-            h = xe @ self.fc1_weight[e].t()
+            h = xe @ self.fc1_weight[e]
             gate, up = h.chunk(2, dim=-1)
             a = (F.silu(gate) * up * pe.unsqueeze(-1)).to(x.dtype)
-            outs.append(a @ self.fc2_weight[e].t())
-        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, self.fc2_weight.shape[1])
+            outs.append(a @ self.fc2_weight[e])
+        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, self.fc2_weight.shape[2])
 
     def forward(
         self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
-        hidden, inter = self.fc2_weight.shape[1], self.fc2_weight.shape[2]
+        inter, hidden = self.fc2_weight.shape[1], self.fc2_weight.shape[2]
         if self.use_grouped_mm and grouped_mm_supported(permuted_hidden, hidden, inter):
             offs = torch.cumsum(tokens_per_expert.to(permuted_hidden.device), 0).to(torch.int32)
-            h = torch._grouped_mm(permuted_hidden, self.fc1_weight.transpose(1, 2), offs=offs)
+            h = torch._grouped_mm(permuted_hidden, self.fc1_weight, offs=offs)
             gate, up = h.chunk(2, dim=-1)
             a = (F.silu(gate) * up * permuted_probs.unsqueeze(-1)).to(permuted_hidden.dtype)
-            out = torch._grouped_mm(a, self.fc2_weight.transpose(1, 2), offs=offs)
+            out = torch._grouped_mm(a, self.fc2_weight, offs=offs)
             return out, None
         counts = [int(c) for c in tokens_per_expert.tolist()]
         return self._loop(permuted_hidden, counts, permuted_probs), None

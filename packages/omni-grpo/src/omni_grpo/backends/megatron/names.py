@@ -12,8 +12,9 @@ Packings (why they exist):
 * ``linear_qkv`` interleaves per query group: for each KV group g, the ``heads/groups`` query heads
   of g, then k_g, then v_g. TP then splits whole groups along dim 0, so a gathered tensor is the
   full interleaved matrix again.
-* Expert ``fc1`` is ``[gate; up]`` (megatron's GLU takes the first half as the gate), i.e. HF's
-  ``gate_up_proj[e]`` transposed.
+* Expert ``fc1`` is ``[gate; up]`` (megatron's GLU takes the first half as the gate). Megatron's
+  ``SequentialMLP`` holds ``gate_up_proj[e]`` transposed (``[2I, H]``); our grouped module keeps the
+  hub layout ``[E, H, 2I]`` / ``[E, I, H]`` as is (no copy on load or export).
 """
 
 from __future__ import annotations
@@ -201,10 +202,8 @@ def megatron_tensor_from_hf(
     fused = get(hf[0])
     if fused.shape[0] != num_experts:
         raise ValueError(f"{hf[0]}: expected {num_experts} experts on dim 0, got shape {tuple(fused.shape)}")
-    if rule.kind == "fc1_grouped":
-        return fc1_from_hf(fused[lo : lo + per])
-    if rule.kind == "fc2_grouped":
-        return fc2_from_hf(fused[lo : lo + per])
+    if rule.kind in ("fc1_grouped", "fc2_grouped"):
+        return fused[lo : lo + per].contiguous()
     assert local_e is not None
     if rule.kind == "fc1_expert":
         return fused[lo + local_e].transpose(0, 1).contiguous()
@@ -239,10 +238,8 @@ def hf_tensors_from_megatron(
         yield hf[0], full
     elif rule.kind == "qkv":
         yield from zip(hf, unpack_qkv(full, num_heads, num_query_groups, head_dim))
-    elif rule.kind == "fc1_grouped":
-        yield hf[0], fc1_to_hf(full)
-    elif rule.kind == "fc2_grouped":
-        yield hf[0], fc2_to_hf(full)
+    elif rule.kind in ("fc1_grouped", "fc2_grouped"):
+        yield hf[0], full  # already the hub layout
     else:
         raise ValueError(f"{name}: per-expert tensors must be fused with fuse_expert_rows")
 

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,18 +30,32 @@ def start_receiver(port: int, device: str, expected: str | None, rounds: int, gr
 
 
 def push_to_receiver(
-    group: Any, store: Any, named_vl: Iterable[tuple[str, torch.Tensor]], round_: int, bucket_bytes: int, device: torch.device
+    group: Any,
+    store: Any,
+    named_vl: Iterable[tuple[str, torch.Tensor]],
+    round_: int,
+    bucket_bytes: int,
+    device: torch.device,
+    max_in_flight: int = 2,
 ) -> dict[str, Any]:
     """Send the whole model once; returns sender-side figures and the receiver's verdict."""
     t0 = time.perf_counter()
     source = ServerTensors(named_vl, "vl_hub")
     n_buckets = 0
+    in_flight: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
     for i, bucket in enumerate(buckets(source, bucket_bytes)):
         store.set(f"r{round_}/bucket/{i}", json.dumps({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "last": bucket.last}))
-        works = [group.broadcast(t.to(device).contiguous()) for t in bucket.tensors]
-        for w in works:
-            w.wait()
+        tensors = [t.to(device) for t in bucket.tensors]
+        # keep the next bucket's export (gathers, renames) overlapping this bucket's broadcasts;
+        # at most `max_in_flight` buckets are held, which bounds the extra memory
+        in_flight.append(([group.broadcast(t) for t in tensors], tensors))
+        while len(in_flight) > max_in_flight:
+            for w in in_flight.popleft()[0]:
+                w.wait()
         n_buckets += 1
+    while in_flight:
+        for w in in_flight.popleft()[0]:
+            w.wait()
     ack = torch.zeros(1, device=device)
     group.broadcast(ack, src=1).wait()
     torch.cuda.synchronize(device)

@@ -91,7 +91,7 @@ def parity(out: Path) -> dict[str, Any]:
 
     init_parallel(MegatronConfig())
     dev = torch.device("cuda", torch.cuda.current_device())
-    paths = make_checkpoint(Path(tempfile.mkdtemp()))
+    paths = make_checkpoint(Path(os.environ.get("OMNI_VERIFY_DIR") or tempfile.mkdtemp()))
     cfg = read_vl_config(paths["vl"])
     ids, mm, pos = mm_batch(cfg)
     report: dict[str, Any] = {"tokens": list(ids.shape)}
