@@ -159,3 +159,19 @@ def test_single_file_checkpoint(tiny_omni_single_shard_dir) -> None:
     tower = FrozenAudioTower(tiny_omni_single_shard_dir)
     out = tower.encode(*_features([250]), device="cpu", dtype=torch.float32)
     assert out.shape[0] == audio_output_lengths(250)
+
+
+def test_deepcopy_shares_and_pickle_round_trips(tiny_omni_dir) -> None:
+    import copy
+    import pickle
+
+    tower = FrozenAudioTower(tiny_omni_dir)
+    injector = AudioInjector(tower, 1)
+    assert copy.deepcopy(injector).tower is tower
+    tower.encode(*_features([100]), device="cpu", dtype=torch.float32)
+    clone = pickle.loads(pickle.dumps(tower))
+    feats = _features([120])
+    assert torch.equal(
+        clone.encode(*feats, device="cpu", dtype=torch.float32),
+        tower.encode(*feats, device="cpu", dtype=torch.float32),
+    )

@@ -70,6 +70,20 @@ class FrozenAudioTower:
         self._config: Any = None
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> FrozenAudioTower:
+        """Copies share the tower: it is frozen and never written, so one copy serves every model
+        (e.g. the policy and its reference copy) without doubling its memory."""
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __repr__(self) -> str:
         state = "loaded" if self._module is not None else "not loaded"
         return f"FrozenAudioTower({str(self.root)!r}, {state})"

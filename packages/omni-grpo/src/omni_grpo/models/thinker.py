@@ -22,6 +22,7 @@ as ``cache=`` (or ``past_key_values=``) and read it back from the output.
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +193,11 @@ class OmniThinker(nn.Module):
             kwargs.pop(unsupported, None)
         cache = cache if cache is not None else past_key_values
         past = _seq_length(cache)
-        self._check_audio_counts(input_ids, input_features, feature_attention_mask)
+        # A decode step (cache filled, no features) embeds any sampled id as a plain token, like
+        # transformers; every other forward is checked strictly.
+        decode_step = past > 0 and input_features is None
+        if not decode_step:
+            self._check_audio_counts(input_ids, input_features, feature_attention_mask)
         if position_ids is None:
             if past == 0:
                 position_ids, self.rope_deltas = self.compute_position_ids(
@@ -215,7 +220,12 @@ class OmniThinker(nn.Module):
                 )
         if cache is not None:
             kwargs[self._vl_cache_name] = cache
-        with self.audio.feeding(input_features, feature_attention_mask):
+        feeding = (
+            nullcontext()
+            if decode_step
+            else self.audio.feeding(input_features, feature_attention_mask)
+        )
+        with feeding:
             return self._vl(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
