@@ -81,3 +81,13 @@ async def test_router_update_refused_when_a_worker_has_active_requests(cluster, 
             await client.update_weights_from_disk(str(tmp_path), weight_version="r2")
         assert info.value.status_code == 502 and info.value.active_request_ids
         await task
+
+
+@pytest.mark.asyncio
+async def test_router_names_the_worker_that_is_down(make_server):
+    alive = make_server()
+    with FakeOmniRouter([alive.url, "http://127.0.0.1:9"]) as router:
+        async with OmniRolloutClient(router.url) as client:
+            with pytest.raises(ContractError, match="127.0.0.1:9: ConnectError") as info:
+                await client.pause_generation("retract")
+    assert info.value.status_code == 502

@@ -108,6 +108,16 @@ def _summary(reply: AdminReply) -> str:
     parts = [
         f"{r.worker + ' ' if r.worker else ''}{r.stage}: {r.error or r.message}" for r in failed
     ]
+    if isinstance(reply.body, Mapping) and "worker_count" in reply.body:
+        # router: workers that failed without a stage envelope (transport error, plain-text 500)
+        for item in reply.body.get("results") or []:
+            if (
+                isinstance(item, Mapping)
+                and not item.get("success")
+                and not _envelope_stages(item.get("body"), None)
+            ):
+                reason = item.get("error") or item.get("body") or f"HTTP {item.get('status_code')}"
+                parts.append(f"{item.get('worker')}: {str(reason)[:300]}")
     if not parts and isinstance(reply.body, Mapping):
         detail = reply.body.get("detail", reply.body)
         parts = [str(detail.get("message") if isinstance(detail, Mapping) else detail)]
