@@ -12,18 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-try:  # the one definition of the audio tower's output length lives in omni-rope
-    from omni_rope.layout import audio_output_length
-except ImportError:  # pragma: no cover - only while omni-rope's layout module is not installed
-
-    def audio_output_length(n_mel_frames: int, n_window: int = 50) -> int:  # type: ignore[misc]
-        chunk = 2 * n_window
-        leave = n_mel_frames % chunk
-        f1 = (leave - 1) // 2 + 1
-        f2 = (f1 - 1) // 2 + 1
-        f3 = (f2 - 1) // 2 + 1
-        return f3 + (n_mel_frames // chunk) * 13
-
+# The one definition of the audio tower's output length lives in omni-rope.
+from omni_rope.layout import audio_output_length
 
 WHISPER_DEFAULTS: dict[str, Any] = {
     "feature_size": 128,
