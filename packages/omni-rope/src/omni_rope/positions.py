@@ -337,7 +337,8 @@ class _Media:
         if k == AUDIO:
             return f"audio #{int(self.audio_index[s])} ({int(self.na[s])} audio placeholders)"
         grid = self.grid[s].tolist()
-        what = f"{name} #{int(self.item_index[s])} (grid {grid} -> {int(self.nv[s])} video/image placeholders"
+        token = "image" if k == IMAGE else "video"
+        what = f"{name} #{int(self.item_index[s])} (grid {grid} -> {int(self.nv[s])} {token} placeholders"
         if k == AIV:
             what += f" + {int(self.na[s])} audio placeholders of audio #{int(self.audio_index[s])}"
         return what + ")"
