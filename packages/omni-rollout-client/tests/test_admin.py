@@ -243,3 +243,20 @@ def test_rank_plan():
         plan_weight_sync_ranks([])
     with pytest.raises(ValueError, match="tp_sizes"):
         plan_weight_sync_ranks([0])
+
+
+@pytest.mark.asyncio
+async def test_admin_key_never_reaches_the_logs(make_server, caplog):
+    import logging
+
+    server = make_server(admin_api_key="k-9f8e7d")
+    caplog.set_level(logging.DEBUG)
+    async with OmniRolloutClient(server.url, admin_api_key="k-9f8e7d") as client:
+        await client.pause_generation("retract")
+        await client.continue_generation()
+    async with OmniRolloutClient(server.url, admin_api_key="wrong-1234") as client:
+        with pytest.raises(AdminAuthError) as info:
+            await client.model_info()
+    assert caplog.records  # httpx/httpcore debug logging was on
+    assert "k-9f8e7d" not in caplog.text and "wrong-1234" not in caplog.text
+    assert "wrong-1234" not in repr(info.value) and "wrong-1234" not in str(info.value.detail)

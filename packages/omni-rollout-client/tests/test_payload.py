@@ -3,7 +3,10 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omni_rollout_client import (
+    RESERVED_METADATA_KEYS,
     ClientValidationError,
     PreparedPrompt,
     build_generate_body,
@@ -189,3 +192,47 @@ def test_continued_shares_tensors():
     p = PreparedPrompt.build([1, 2], image_mm())
     q = p.continued([9, 8])
     assert q.input_ids == (1, 2, 9, 8) and q.tensors is p.tensors
+
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**53), 2**53), st.text(max_size=8))
+metadata_st = st.dictionaries(
+    st.text(min_size=1, max_size=8).filter(lambda k: k not in RESERVED_METADATA_KEYS),
+    st.one_of(json_leaf, st.lists(json_leaf, max_size=3)),
+    max_size=4,
+)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    ids=st.lists(st.integers(0, 2**31), min_size=1, max_size=20),
+    metadata=st.one_of(st.none(), metadata_st),
+    temperature=st.floats(0, 2),
+    top_k=st.one_of(st.just(-1), st.integers(1, 100)),
+    stop=st.lists(st.text(max_size=4), max_size=3),
+    with_image=st.booleans(),
+)
+def test_every_body_we_build_passes_the_server_schema(
+    ids, metadata, temperature, top_k, stop, with_image
+):
+    """The fake server's restatement of sglang-omni's pydantic models accepts all our bodies."""
+    from omni_rollout_client.testing.contract import GenerateRequestModel
+
+    prompt = PreparedPrompt.build(ids, image_mm(4) if with_image else None)
+    sampling = filter_sampling_params(
+        {
+            "temperature": temperature,
+            "top_k": top_k,
+            "stop": stop,
+            "max_new_tokens": 8,
+            "skip_special_tokens": True,
+        }
+    )
+    req = GenerateRequestModel.model_validate_json(
+        b"".join(build_generate_body(prompt, sampling, metadata=metadata))
+    )
+    assert req.input_ids == ids and req.metadata == metadata
+    assert (
+        req.sampling_params.temperature == temperature
+        and req.sampling_params.repetition_penalty == 1.0
+    )
+    assert (req.multimodal_train_inputs is not None) == with_image
