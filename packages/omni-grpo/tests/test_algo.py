@@ -345,3 +345,12 @@ def test_mismatch_reported_by_loss() -> None:
     # (exp(.1) - 1.1 + exp(-.2) - .8) / 2 = 0.0119508356
     assert met["train_rollout_kl"] == pytest.approx(0.0119508356, abs=1e-7)
     assert met["ess_ratio"] == pytest.approx(0.97831396, abs=1e-6)
+
+
+def test_bf16_logp_computed_in_float32() -> None:
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.bfloat16, requires_grad=True)
+    old = torch.tensor([[-1.0, -2.0]])
+    loss, _ = grpo_loss(logp, old, torch.tensor([0.3]), torch.ones(1, 2), AlgoConfig())
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(-0.3)
+    loss.backward()
+    assert logp.grad.dtype == torch.bfloat16

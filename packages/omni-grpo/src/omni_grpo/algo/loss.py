@@ -101,7 +101,7 @@ def grpo_loss(
         )
     agg = dict(loss_agg=cfg.loss_agg, num_samples=num_samples, num_tokens=num_tokens)
 
-    logp = masked_zero(logp, m)
+    logp = masked_zero(logp.float(), m)  # all loss math in float32, whatever the model dtype
     old = masked_zero(old_logp.detach().to(logp.dtype), m)
     adv = advantages.detach().to(logp.dtype)
     if adv.dim() == 1:
