@@ -157,3 +157,12 @@ async def test_queue_full_503_is_retried(make_server):
     assert sorted(r.token_ids[0] for r in results) == sorted(
         r.request_index for r in server.records
     )
+
+
+@pytest.mark.asyncio
+async def test_group_failure_raises_the_typed_error_not_an_exception_group(server):
+    server.faults.fail_next(1, status=400)
+    async with OmniRolloutClient(server.url, retry=FAST) as client:
+        with pytest.raises(ContractError) as info:
+            await client.generate_group(PreparedPrompt.build([3]), 4, {"max_new_tokens": 8})
+    assert info.value.status_code == 400

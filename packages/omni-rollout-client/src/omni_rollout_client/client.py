@@ -412,18 +412,23 @@ class OmniRolloutClient:
                 raise ClientValidationError(
                     f"metadata: expected {n} mappings, got {len(metadatas)}"
                 )
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(
-                    self.generate(
-                        prompt,
-                        sampling if seeds is None else {**sampling, "seed": seeds[i]},
-                        metadata=metadatas[i],
-                        max_resumes=max_resumes,
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(
+                        self.generate(
+                            prompt,
+                            sampling if seeds is None else {**sampling, "seed": seeds[i]},
+                            metadata=metadatas[i],
+                            max_resumes=max_resumes,
+                        )
                     )
-                )
-                for i in range(n)
-            ]
+                    for i in range(n)
+                ]
+        except BaseExceptionGroup as group:
+            # Surface the first real failure as itself (callers catch our typed errors, not
+            # ExceptionGroup); the siblings it cancelled are not errors of their own.
+            raise group.exceptions[0] from group
         return [t.result() for t in tasks]
 
     # ------------------------------------------------------------------ health and info
