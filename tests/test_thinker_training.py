@@ -168,3 +168,18 @@ def test_not_a_vl_checkpoint(tiny_omni_dir):
         load_thinker(tiny_omni_dir)
     with pytest.raises(ValueError, match="backend 'nope'"):
         load_thinker(tiny_omni_dir, backend="nope")
+
+
+def test_bare_vl_object_carries_the_omni_rope_override(root):
+    """``thinker.vl`` called directly (no audio) gets Omni positions from omni-rope's override."""
+    thinker = load_thinker(root / "vl", dtype="float32")
+    samples = [[("text", TXT), ("image", (1, 4, 4)), ("video", (3, 4, 4), 0.75), ("text", TXT)]]
+    gen = json.loads((thinker.source_dir / "generation_config.json").read_text())
+    batch = build_batch(samples, Ids.from_sideband(thinker.sideband.raw, gen["pad_token_id"]))
+    with torch.no_grad():
+        ours = thinker(**batch).logits
+        bare = thinker.vl(**batch).logits
+    assert torch.equal(ours, bare)
+    thinker.rope_handle.remove()
+    with pytest.raises(ValueError, match="mm_token_type_ids"):  # plain VL: no Omni rope
+        thinker.vl(**batch)

@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 from omni_audio_inject import AudioInjector, FrozenAudioTower
+from omni_rope import OmniRopeConfig
+from omni_rope.hf_vl import install_omni_rope
 
-from omni_grpo.models.positions import make_rope_index
+from omni_grpo.models.positions import RopeIndex
 from omni_grpo.models.saving import recorded_audio_dir
 from omni_grpo.models.sideband import read_sideband
 from omni_grpo.models.thinker import OmniThinker
@@ -55,6 +57,7 @@ def _load_torch(
     from transformers import AutoConfig, Qwen3VLMoeForConditionalGeneration
 
     sideband = read_sideband(extracted_dir)
+    config_dict = json.loads((extracted_dir / "config.json").read_text())
     config = AutoConfig.from_pretrained(extracted_dir)
     torch_dtype = _resolve_dtype(dtype, getattr(config, "dtype", None))
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
@@ -67,8 +70,14 @@ def _load_torch(
     audio_dir = Path(audio_dir) if audio_dir is not None else _default_audio_dir(extracted_dir)
     tower = FrozenAudioTower(audio_dir, attn_implementation=attn_implementation)
     injector = AudioInjector(tower, sideband.audio_token_id)
-    rope_index = make_rope_index(json.loads((extracted_dir / "config.json").read_text()))
-    thinker = OmniThinker(vl, sideband, injector, rope_index, extracted_dir, audio_dir)
+    # omni-rope's override makes the bare VL object Omni-correct too (direct calls, HF generate()
+    # for text/image/video); the thinker's own forward passes explicit positions from the same
+    # config, so the override's hook is a pass-through there.
+    handle = install_omni_rope(vl, OmniRopeConfig.from_vl_config(config_dict))
+    thinker = OmniThinker(
+        vl, sideband, injector, RopeIndex(handle.config), extracted_dir, audio_dir
+    )
+    thinker.rope_handle = handle
     thinker.set_frozen(visual=freeze_visual, lm_head=freeze_lm_head)
     thinker.train(False)
     return thinker

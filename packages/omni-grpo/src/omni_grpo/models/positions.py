@@ -8,8 +8,6 @@ Omni thinker does with its cached ``rope_deltas``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from omni_rope import OmniRopeConfig, get_rope_index
 
@@ -44,11 +42,6 @@ class RopeIndex:
             audio_seqlens=audio_seqlens,
             use_audio_in_video=use_audio_in_video,
         )
-
-
-def make_rope_index(vl_config: dict[str, Any] | Any) -> RopeIndex:
-    """From the pseudo-VL config (dict or object) carrying ``omni_sideband``."""
-    return RopeIndex(OmniRopeConfig.from_vl_config(vl_config))
 
 
 def decode_positions(
