@@ -168,6 +168,7 @@ def test_fake_omitted_temperature_is_greedy(server):
         ({"input_ids": [1], "metadata": {"omni_session": {}}}, 400, "omni_session"),
         ({"input_ids": [1], "return_omni_rollout": True}, 501, "omni_rollout"),
         ({"messages": [{"content": "hi"}]}, 422, "role"),
+        ({"input_ids": [1], "output_modalities": ["audio"]}, 501, "omni_rollout"),
         (
             {
                 "input_ids": [1],

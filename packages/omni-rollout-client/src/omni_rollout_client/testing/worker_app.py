@@ -360,6 +360,11 @@ class FakeWorkerApp:
                 501,
                 "backend did not return requested logprobs; expected output_token_logprobs for text or meta_info.omni_rollout for audio (set return_omni_rollout=true for audio logprobs)",
             )
+        if req.output_modalities and "audio" in req.output_modalities and req.return_logprob:
+            raise HTTPError(
+                501,
+                "backend did not return requested logprobs; expected output_token_logprobs for text or meta_info.omni_rollout for audio (set return_omni_rollout=true for audio logprobs)",
+            )
         metadata = dict(req.metadata) if req.metadata else {}
         if "omni_session" in metadata:
             raise HTTPError(400, "request metadata key 'omni_session' is reserved")
