@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omni_rollout_client.client import ModelInfo, OmniRolloutClient, Timeouts
@@ -111,6 +111,7 @@ class SglangOmniEngine:
         max_resumes: int = 2,
         loop: BackgroundLoop | None = None,
         clients: Sequence[OmniRolloutClient] | None = None,
+        decode_fn: Callable[[list[int]], str] | None = None,
     ) -> None:
         if not (cfg.urls or cfg.router_url) and clients is None:
             raise ValueError("rollout.sglang: set urls (worker URLs) or router_url")
@@ -123,8 +124,26 @@ class SglangOmniEngine:
             list(clients) if clients is not None else make_clients(cfg, vocab_size=vocab_size)
         )
         self.vocab_size = vocab_size
+        # Local decoding of the full id list (the trainer's tokenizer) is preferred over the
+        # server's ``text``: a resumed sample's text would otherwise be two separately decoded
+        # segments, which can split a multi-byte character at the seam.
+        self.decode_fn = decode_fn
         self._ready = False
         self.last_weight_versions: set[str] = set()
+
+    @classmethod
+    def from_rollout_config(
+        cls,
+        cfg: Any,
+        *,
+        vocab_size: int | None = None,
+        decode_fn: Callable[[list[int]], str] | None = None,
+        **_context: Any,
+    ) -> SglangOmniEngine:
+        """Registry hook (``omni_grpo.rollout.create_engine``): server settings from
+        ``cfg.sglang``; the trainer's tokenizer (``decode_fn``) and ``vocab_size``. The in-process
+        context (policy module, device) does not apply to a remote engine."""
+        return cls(cfg.sglang, vocab_size=vocab_size, decode_fn=decode_fn)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -241,8 +260,7 @@ class SglangOmniEngine:
             ]
         return [t.result() for t in tasks]
 
-    @staticmethod
-    def _completion(prompt: PromptInputs, r: GenerateResult) -> Completion:
+    def _completion(self, prompt: PromptInputs, r: GenerateResult) -> Completion:
         if len(r.token_ids) != len(r.logprobs):
             raise SglangOmniEngineError(
                 f"sample of {prompt.sample.uid}: {len(r.token_ids)} ids but {len(r.logprobs)} logprobs"
@@ -259,7 +277,7 @@ class SglangOmniEngine:
             logprobs=list(r.logprobs),
             finish_reason=r.finish_reason,
             weight_version=str(r.weight_version) if r.weight_version is not None else "default",
-            text=r.text,
+            text=self.decode_fn(list(r.token_ids)) if self.decode_fn is not None else r.text,
         )
 
 
