@@ -44,7 +44,9 @@ def test_random_layouts_match_reference(data, rope_config, reference_thinker):
     assert_identical(ours, reference(reference_thinker, b))
 
 
-@SETTINGS
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_per_video_detection_matches_the_flag(data, rope_config):
     """``use_audio_in_video=None`` reads the layout from the tokens and agrees with the explicit flag."""

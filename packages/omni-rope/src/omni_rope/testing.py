@@ -20,7 +20,12 @@ from omni_rope import (
 
 # Seconds per temporal grid: 2 / fps for common and awkward sampled frame rates (fractional positions).
 SECONDS_PER_GRID = [2.0, 1.0, 0.5, 2 / 3, 0.4, 2 / 30, 2 / 24, 2 / 1.7, 0.08, 2 / 7]
-TEXT_IDS = st.integers(min_value=0, max_value=5000)
+
+
+def text_ids(config: OmniRopeConfig) -> st.SearchStrategy[int]:
+    """Ordinary token ids: anything but the config's media and marker ids."""
+    special = {getattr(config, f) for f in vars(config) if f.endswith("_token_id")}
+    return st.integers(min_value=0, max_value=5000).filter(lambda t: t not in special)
 
 
 @dataclass
@@ -57,6 +62,7 @@ def batches(
     ``images_only``: text and single-frame images only (what the processor produces for images).
     """
     m = config.spatial_merge_size
+    plain = text_ids(config)
     aiv = False if images_only else draw(st.booleans())
     kinds = ["image"] if images_only else ["image", "audio", "aiv" if aiv else "video"]
     image_t = [1] if images_only else [1, 1, 2]
@@ -67,7 +73,7 @@ def batches(
     for _ in range(draw(st.integers(1, max_rows))):
         parts, row_names = [], []
         for kind in draw(st.lists(st.sampled_from(kinds), max_size=max_segments)):
-            parts.append(torch.tensor(draw(st.lists(TEXT_IDS, max_size=4)), dtype=torch.long))
+            parts.append(torch.tensor(draw(st.lists(plain, max_size=4)), dtype=torch.long))
             row_names.append(kind)
             if kind == "image":
                 g = [
@@ -98,13 +104,13 @@ def batches(
                     parts.append(audio_in_video_segment_ids(config, g, spg, n))
         parts.append(
             torch.tensor(
-                draw(st.lists(TEXT_IDS, min_size=0 if parts else 1, max_size=5)), dtype=torch.long
+                draw(st.lists(plain, min_size=0 if parts else 1, max_size=5)), dtype=torch.long
             )
         )
         rows.append(torch.cat(parts))
         names.append(row_names)
     width = max(len(r) for r in rows) + draw(st.integers(0, 3))
-    ids = torch.full((len(rows), width), draw(TEXT_IDS), dtype=torch.long)
+    ids = torch.full((len(rows), width), draw(plain), dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
         sl = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
