@@ -330,6 +330,10 @@ class OmniRolloutClient:
         if not isinstance(prompt, PreparedPrompt):
             prompt = PreparedPrompt.build(prompt, None, vocab_size=self.vocab_size)
         sampling = filter_sampling_params(sampling_params)
+        if max_resumes > 0 and "max_new_tokens" not in sampling:
+            raise ClientValidationError(
+                "max_resumes > 0 needs sampling_params['max_new_tokens'] (the total token budget)"
+            )
         chunks = build_generate_body(prompt, sampling, metadata=metadata, model=self.model)
         _, body, attempts = await self._send(
             "POST",
