@@ -63,7 +63,9 @@ DISTRACTORS: tuple[tuple[int, int, int], ...] = ((40, 180, 40), (230, 210, 40), 
 
 
 def prompt_for(task: TaskSpec) -> str:
-    options = "\n".join(f"{letter}. {answer}" for letter, answer in zip(LETTERS, task.answers, strict=True))
+    options = "\n".join(
+        f"{letter}. {answer}" for letter, answer in zip(LETTERS, task.answers, strict=True)
+    )
     return f"<{task.modality}>\n{task.question}\n{options}\nAnswer with the letter."
 
 
@@ -155,7 +157,7 @@ def _rows(split: str, tasks: Sequence[str], n: int, root: Path, seed: int) -> li
                     "prompt": prompt_for(task),
                     "label": LETTERS[k],
                     "media": [{"type": name, "path": rel.as_posix()}],
-                    "choices": list(LETTERS),
+                    "choices": list(task.answers),
                     "reward": "mcq",
                     "modality": name,
                     "metadata": {"task": name, "answer": answer, **meta},
@@ -180,11 +182,19 @@ def generate_synthetic(
     """
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
-        raise ValueError(f"unknown synthetic task(s) {unknown}; expected a subset of {sorted(TASKS)}")
+        raise ValueError(
+            f"unknown synthetic task(s) {unknown}; expected a subset of {sorted(TASKS)}"
+        )
     if not tasks:
         raise ValueError("synthetic.tasks is empty; expected at least one of " + str(sorted(TASKS)))
     out = Path(out_dir)
-    params = {"tasks": list(tasks), "n_train": n_train, "n_eval": n_eval, "seed": seed, "version": 1}
+    params = {
+        "tasks": list(tasks),
+        "n_train": n_train,
+        "n_eval": n_eval,
+        "seed": seed,
+        "version": 1,
+    }
     marker = out / "synthetic.json"
     if marker.is_file():
         if json.loads(marker.read_text()) == params:

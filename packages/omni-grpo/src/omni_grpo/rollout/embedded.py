@@ -96,7 +96,34 @@ class EmbeddedEngine:
         self.decode_fn = decode_fn
         self.version_fn = version_fn
         self._cache_kw = cache_kwarg(model)
-        self.banned = torch.tensor(sorted(set(banned_token_ids or [])), dtype=torch.long, device=self.device)
+        self.banned = torch.tensor(
+            sorted(set(banned_token_ids or [])), dtype=torch.long, device=self.device
+        )
+
+    @classmethod
+    def from_rollout_config(
+        cls,
+        cfg: Any,
+        *,
+        policy: torch.nn.Module | None = None,
+        eos_token_ids: list[int] | None = None,
+        **context: Any,
+    ) -> EmbeddedEngine:
+        """Registry hook (``omni_grpo.rollout.create_engine``): share the trainer's ``policy``."""
+        if policy is None:
+            raise ValueError(
+                "rollout.engine 'embedded' needs the trainer's in-process policy (torch backend)"
+            )
+        device = context.get("device", "cpu")
+        return cls(
+            policy,
+            eos_token_ids or [],
+            device=device,
+            autocast_dtype=torch.bfloat16 if torch.device(device).type == "cuda" else None,
+            decode_fn=context.get("decode_fn"),
+            version_fn=context.get("version_fn"),
+            banned_token_ids=context.get("banned_token_ids"),
+        )
 
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -114,8 +141,12 @@ class EmbeddedEngine:
         finally:
             self.model.train(was_training)
 
-    def _generate_group(self, prompt: PromptInputs, n: int, sampling: SamplingConfig) -> list[Completion]:
-        stop = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=self.device)
+    def _generate_group(
+        self, prompt: PromptInputs, n: int, sampling: SamplingConfig
+    ) -> list[Completion]:
+        stop = torch.tensor(
+            sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=self.device
+        )
         ids = torch.tensor([prompt.input_ids] * n, dtype=torch.long, device=self.device)
         mm = {k: v.to(self.device) for k, v in repeat_mm(prompt.mm, n).items()}
         kwargs: dict[str, Any] = {"attention_mask": torch.ones_like(ids), "use_cache": True, **mm}
@@ -124,7 +155,9 @@ class EmbeddedEngine:
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        finished_at = torch.full((n,), sampling.max_new_tokens, dtype=torch.long, device=self.device)
+        finished_at = torch.full(
+            (n,), sampling.max_new_tokens, dtype=torch.long, device=self.device
+        )
         with self._autocast():
             out = self.model(input_ids=ids, **kwargs)
             for t in range(sampling.max_new_tokens):

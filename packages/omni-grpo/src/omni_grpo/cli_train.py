@@ -1,0 +1,99 @@
+"""``omni-grpo train`` and ``omni-grpo eval`` (registered in the ``omni_grpo.commands`` group)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import click
+
+from omni_grpo.cli import config_options
+
+
+@click.command("train")
+@config_options
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in run.dir.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+def train_command(cfg: Any, resume: bool, no_progress: bool) -> None:
+    """Run GRPO as configured: prepare the model and data, then train, evaluate and checkpoint."""
+    from omni_grpo.trainer import train
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    result = train(cfg, resume=resume, progress=not no_progress)
+    summary = {
+        "run_dir": str(result.run_dir),
+        "steps": result.steps,
+        "wall_s": round(result.wall_s, 1),
+        **{k: round(v, 4) for k, v in result.final_eval.items()},
+    }
+    (Path(result.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    click.echo(json.dumps(summary))
+
+
+@click.command("eval")
+@config_options
+@click.option(
+    "--checkpoint",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint directory (default: the newest in run.dir; none = the untrained model).",
+)
+@click.option(
+    "--base", is_flag=True, help="Evaluate the untrained model even if checkpoints exist."
+)
+def eval_command(cfg: Any, checkpoint: Path | None, base: bool) -> None:
+    """Held-out accuracy per modality of a checkpoint (greedy, rollout.eval_sampling)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from omni_grpo.backends import create_backend
+    from omni_grpo.data.dataset import OmniDataset
+    from omni_grpo.data.prompt import PromptBuilder
+    from omni_grpo.rollout import create_engine
+    from omni_grpo.run.checkpoint import latest_checkpoint, load_checkpoint
+    from omni_grpo.trainer import evaluate, media_token_ids, prepare_data, prepare_model
+
+    run_dir = Path(cfg.run.dir)
+    vl_dir, _ = prepare_model(cfg.model, run_dir)
+    data_cfg = prepare_data(cfg.data, run_dir)
+    if data_cfg.eval is None:
+        raise click.UsageError("data.eval is not set (and data.synthetic is not configured)")
+    builder = PromptBuilder(vl_dir, data_cfg)
+    tok = builder.tokenizer
+    eos_id = int(tok.convert_tokens_to_ids("<|im_end|>"))
+    backend = create_backend(
+        cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=eos_id
+    )
+    ckpt = None if base else (checkpoint or latest_checkpoint(run_dir))
+    if ckpt is not None:
+        _, weights, _, _ = load_checkpoint(ckpt)
+        backend.load_trainable_state(weights)
+    engine = create_engine(
+        cfg.rollout.model_copy(update={"engine": "embedded"})
+        if cfg.rollout.engine == "embedded"
+        else cfg.rollout,
+        policy=backend.model,
+        eos_token_ids=[eos_id],
+        banned_token_ids=media_token_ids(backend.model),
+        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        device=str(backend.device),
+        vocab_size=len(tok),
+    )
+    result = evaluate(
+        engine,
+        OmniDataset(data_cfg.eval, data_cfg.root, builder),
+        cfg.rollout.eval_sampling.to_sampling(),
+        cfg.rewards,
+        cfg.eval.max_samples,
+    )
+    table = Table(title=f"held-out accuracy ({ckpt or 'untrained model'})")
+    table.add_column("modality")
+    table.add_column("accuracy", justify="right")
+    for key, value in result.items():
+        table.add_row(key.rsplit("/", 1)[-1], f"{value:.3f}")
+    Console(stderr=True).print(table)
+    click.echo(json.dumps({"checkpoint": str(ckpt) if ckpt else None, **result}))

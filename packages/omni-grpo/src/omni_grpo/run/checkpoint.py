@@ -1,0 +1,178 @@
+"""Atomic, resumable checkpoints: ``<run>/checkpoints/step_000010/`` holding everything a resume
+needs to continue exactly where an uninterrupted run would be.
+
+Contents: trainable weights (``model.safetensors``; frozen parts come back from the model
+directory), optimizer state (``optimizer.pt``), RNG states of python / numpy / torch (+ CUDA)
+(``rng.pt``), and ``state.json`` (step, data cursor = epoch + position in that epoch's order, the
+warm-up flag, free-form extras). A checkpoint is written into a temporary sibling directory,
+fsynced, and renamed into place; ``latest`` is then replaced atomically. A crash at any point leaves
+either the previous checkpoint or the new one, never a half-written directory that looks valid
+(``state.json`` is written last and a directory without it is ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE_FILE = "state.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the run; the message names the path."""
+
+
+@dataclass
+class DataCursor:
+    """Where the training data stream stands: the epoch and the position inside its order.
+
+    The order of epoch ``e`` is a pure function of (seed, e, dataset size), so the cursor alone
+    reproduces the remaining stream after a resume — no sampler RNG state needed.
+    """
+
+    epoch: int = 0
+    position: int = 0
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    cursor: DataCursor = field(default_factory=DataCursor)
+    warmup_done: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the run draws from (rollout sampling uses torch's global generator)."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike[str],
+    state: TrainState,
+    weights: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    rng: dict[str, Any] | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write the checkpoint for ``state.step`` atomically and point ``latest`` at it.
+
+    Older checkpoints beyond ``keep_last`` are removed only after the new one is in place.
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(Path(run_dir), state.step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        torch.save(optimizer, tmp / "optimizer.pt")
+        torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
+        payload = {"format": FORMAT_VERSION, **asdict(state)}
+        (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2))
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    pointer_tmp = root / f".{LATEST}.tmp"
+    pointer_tmp.write_text(final.name + "\n")
+    os.replace(pointer_tmp, root / LATEST)
+    _fsync_dir(root)
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    for old in complete[:-keep_last] if keep_last > 0 else []:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint (``latest`` pointer, else the highest complete step dir)."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / LATEST
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+) -> tuple[TrainState, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(state, trainable weights, optimizer state, rng state) of a complete checkpoint directory."""
+    path = Path(path)
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
+    raw = json.loads(state_file.read_text())
+    if raw.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{state_file}: format {raw.get('format')!r}, expected {FORMAT_VERSION}"
+        )
+    for name in ("model.safetensors", "optimizer.pt", "rng.pt"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: missing {name}")
+    state = TrainState(
+        step=int(raw["step"]),
+        cursor=DataCursor(**raw["cursor"]),
+        warmup_done=bool(raw.get("warmup_done", False)),
+        extra=dict(raw.get("extra", {})),
+    )
+    weights = load_file(str(path / "model.safetensors"))
+    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
+    return state, weights, optimizer, rng

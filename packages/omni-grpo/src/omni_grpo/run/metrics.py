@@ -1,0 +1,108 @@
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard, optional W&B.
+
+``metrics.jsonl`` is the run's record: on resume it is truncated to the steps the checkpoint
+covers, so an interrupted-and-resumed run ends with exactly the lines an uninterrupted one writes.
+Keys under ``time/`` are wall-clock measurements (not reproducible by nature); everything else is
+a deterministic function of the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(run_dir: str | os.PathLike[str], last_step: int) -> None:
+    """Keep only lines with ``step <= last_step`` (atomically rewritten)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN; null says "not defined this step"
+    return value
+
+
+class MetricsLogger:
+    """Writes each step's metrics to every configured sink."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_config: dict[str, Any] | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            truncate_metrics(self.run_dir, resume_step)
+        elif (self.run_dir / METRICS_FILE).exists():
+            (self.run_dir / METRICS_FILE).unlink()
+        self._file = open(self.run_dir / METRICS_FILE, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_mod
+            except ImportError:
+                log.warning(
+                    "run.wandb is set but wandb is not installed (pip install omni-grpo[wandb]); skipping W&B"
+                )
+            else:
+                self._wandb = wandb_mod.init(
+                    project="omni-grpo",
+                    dir=str(self.run_dir),
+                    config=wandb_config or {},
+                    resume="allow",
+                )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,69 @@
+"""PNG plots of a finished run from its ``metrics.jsonl`` (matplotlib, Agg: no display needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omni_grpo.run.metrics import read_metrics
+
+ACCURACY_PREFIX = "eval/accuracy/"
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def plot_run(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write ``reward.png`` and ``accuracy.png`` into ``<run>/plots``; return the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    steps, reward = _series(records, "reward_mean")
+    if steps:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, reward, lw=1, alpha=0.4, label="reward_mean")
+        window = max(1, len(reward) // 20)
+        smooth = [
+            sum(reward[max(0, i - window + 1) : i + 1])
+            / len(reward[max(0, i - window + 1) : i + 1])
+            for i in range(len(reward))
+        ]
+        ax.plot(steps, smooth, lw=2, label=f"moving mean ({window})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(loc="lower right")
+        ax.set_title("training reward")
+        fig.tight_layout()
+        fig.savefig(out_dir / "reward.png", dpi=100)
+        plt.close(fig)
+        written.append(out_dir / "reward.png")
+
+    keys = sorted({k for r in records for k in r if k.startswith(ACCURACY_PREFIX)})
+    if keys:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in keys:
+            s, v = _series(records, key)
+            ax.plot(s, v, marker="o", label=key[len(ACCURACY_PREFIX) :])
+        ax.axhline(0.9, color="grey", ls="--", lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(loc="lower right")
+        ax.set_title("held-out accuracy per modality")
+        fig.tight_layout()
+        fig.savefig(out_dir / "accuracy.png", dpi=100)
+        plt.close(fig)
+        written.append(out_dir / "accuracy.png")
+    return written
