@@ -175,3 +175,17 @@ def test_deepcopy_shares_and_pickle_round_trips(tiny_omni_dir) -> None:
         clone.encode(*feats, device="cpu", dtype=torch.float32),
         tower.encode(*feats, device="cpu", dtype=torch.float32),
     )
+
+
+def test_extracted_audio_dir_matches_reference(tiny_omni_dir, reference_thinker, tmp_path) -> None:
+    """omni-extract's ``audio`` output (bare ``audio_tower.*`` names, encoder config at top level)."""
+    from omni_extract import extract
+
+    extract(tiny_omni_dir, tmp_path / "audio", variant="audio")
+    feats, mask = _features([300, 77])
+    ours = FrozenAudioTower(tmp_path / "audio").encode(
+        feats, mask, device="cpu", dtype=torch.float32
+    )
+    with torch.no_grad():
+        ref = reference_thinker.get_audio_features(feats, mask).last_hidden_state
+    assert torch.equal(ours, ref)
