@@ -40,7 +40,11 @@ REAL = {
     "vocab_size": 152064,
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 65536,
-    "rope_parameters": {"rope_theta": 1e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    "rope_parameters": {
+        "rope_theta": 1e6,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    },
 }
 PEAK_BF16 = 989e12
 
@@ -87,7 +91,11 @@ def time_step(th, ids, pos, iters: int, warmup: int) -> list[float]:
 
 def bench_step(args, impl: str, device: torch.device) -> dict:
     from omni_grpo.backends.megatron.config_map import megatron_model_args
-    from omni_grpo.backends.megatron.model import MegatronThinker, build_language_model, build_transformer_config
+    from omni_grpo.backends.megatron.model import (
+        MegatronThinker,
+        build_language_model,
+        build_transformer_config,
+    )
     from omni_grpo.config import MegatronConfig
 
     cfg = dict(REAL, num_hidden_layers=args.layers)
@@ -96,7 +104,11 @@ def bench_step(args, impl: str, device: torch.device) -> dict:
     th = MegatronThinker(margs, lm)
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, 151000, (args.batch, args.seq), generator=g).to(device)
-    pos = torch.arange(args.seq, dtype=torch.float32, device=device)[None, None].expand(3, args.batch, -1).contiguous()
+    pos = (
+        torch.arange(args.seq, dtype=torch.float32, device=device)[None, None]
+        .expand(3, args.batch, -1)
+        .contiguous()
+    )
     iters = args.iters if impl == "grouped" else max(2, args.iters // 3)
     times = time_step(th, ids, pos, iters, warmup=2)
     med = statistics.median(times)
@@ -128,7 +140,9 @@ def bench_sync(state: dict, device: torch.device, bucket_mb: int) -> dict:
     store = host_store("127.0.0.1", 2, 600)
     rounds = 4  # warm-up sync, timed sync, warm-up raw, timed raw
     proc = start_receiver(store.port, "cuda:1", None, rounds, "omni_grpo_bench")
-    group = build_group(store, group_name="omni_grpo_bench", world_size=2, rank=0, backend="nccl", timeout_s=600)
+    group = build_group(
+        store, group_name="omni_grpo_bench", world_size=2, rank=0, backend="nccl", timeout_s=600
+    )
     lm, margs = state["lm"], state["args"]
     warm = push_to_receiver(group, store, export_hf_weights(lm, margs), 0, bucket_mb << 20, device)
     timed = push_to_receiver(group, store, export_hf_weights(lm, margs), 1, bucket_mb << 20, device)
@@ -158,7 +172,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--no-sync", action="store_true")
-    ap.add_argument("--big-batch", type=int, default=8, help="also time the grouped model at this batch (0: skip)")
+    ap.add_argument(
+        "--big-batch",
+        type=int,
+        default=8,
+        help="also time the grouped model at this batch (0: skip)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -169,7 +188,16 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     result = {
         "gpu": torch.cuda.get_device_name(device),
-        "config": {"layers": args.layers, "batch": args.batch, "seq": args.seq, "hidden": 2048, "experts": "128 top-8", "expert_ffn": 768, "vocab": 152064, "dtype": "bf16"},
+        "config": {
+            "layers": args.layers,
+            "batch": args.batch,
+            "seq": args.seq,
+            "hidden": 2048,
+            "experts": "128 top-8",
+            "expert_ffn": 768,
+            "vocab": 152064,
+            "dtype": "bf16",
+        },
         "matmul_8192_tflops": matmul_rate(device) / 1e12,
     }
     seq, _ = bench_step(args, "sequential", device)

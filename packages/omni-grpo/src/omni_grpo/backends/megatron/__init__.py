@@ -6,7 +6,11 @@ packings (:mod:`.names`) — run anywhere; model building, export and the traini
 megatron-core through :func:`._mcore.mcore` when first used.
 """
 
-from omni_grpo.backends.megatron.config_map import MegatronConfigError, MegatronModelArgs, megatron_model_args
+from omni_grpo.backends.megatron.config_map import (
+    MegatronConfigError,
+    MegatronModelArgs,
+    megatron_model_args,
+)
 from omni_grpo.backends.megatron.names import NAME_TABLE, NameRule, UnmappedTensorError
 
 __all__ = [

@@ -18,7 +18,9 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     """
     for i, n in enumerate(lengths):
         if n > max_tokens:
-            raise ValueError(f"sample {i} has {n} tokens > trainer.megatron.max_tokens_per_gpu={max_tokens}")
+            raise ValueError(
+                f"sample {i} has {n} tokens > trainer.megatron.max_tokens_per_gpu={max_tokens}"
+            )
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
     longest: list[int] = []

@@ -68,7 +68,11 @@ _REQUIRED_TEXT_KEYS = (
 _RECOMPUTE: dict[str, dict[str, Any]] = {
     "none": {"recompute_granularity": None},
     "selective": {"recompute_granularity": "selective"},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "full": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
 }
 
 _TOKEN_KEYS = (
@@ -86,9 +90,13 @@ def _rope(text: dict[str, Any], source: str) -> tuple[float, list[int], bool]:
     theta = params.get("rope_theta", text.get("rope_theta"))
     section = params.get("mrope_section")
     if theta is None:
-        raise MegatronConfigError(f"{source}: text_config has no rope_theta (rope_parameters.rope_theta)")
+        raise MegatronConfigError(
+            f"{source}: text_config has no rope_theta (rope_parameters.rope_theta)"
+        )
     if not section:
-        raise MegatronConfigError(f"{source}: text_config has no mrope_section (rope_parameters.mrope_section)")
+        raise MegatronConfigError(
+            f"{source}: text_config has no mrope_section (rope_parameters.mrope_section)"
+        )
     interleaved = bool(params.get("mrope_interleaved", params.get("interleaved", False)))
     return float(theta), [int(s) for s in section], interleaved
 
@@ -130,7 +138,9 @@ def megatron_model_args(
         raise MegatronConfigError(f"{source}: num_experts must be > 0 (got {experts})")
     act = text.get("hidden_act", "silu")
     if act != "silu":
-        raise MegatronConfigError(f"{source}: hidden_act {act!r} unsupported (expected 'silu' / SwiGLU)")
+        raise MegatronConfigError(
+            f"{source}: hidden_act {act!r} unsupported (expected 'silu' / SwiGLU)"
+        )
 
     theta, section, interleaved = _rope(text, source)
     if sum(section) != head_dim // 2:
@@ -154,10 +164,14 @@ def megatron_model_args(
                 f"{'ep' if name == 'num_experts' else 'tp'}={divisor}"
             )
     if heads % groups:
-        raise MegatronConfigError(f"{source}: num_attention_heads={heads} not divisible by num_key_value_heads={groups}")
+        raise MegatronConfigError(
+            f"{source}: num_attention_heads={heads} not divisible by num_key_value_heads={groups}"
+        )
     if world_size is not None:
         if world_size % (tp * pp):
-            raise MegatronConfigError(f"world size {world_size} is not divisible by tp*pp = {tp * pp}")
+            raise MegatronConfigError(
+                f"world size {world_size} is not divisible by tp*pp = {tp * pp}"
+            )
         if world_size % ep:
             raise MegatronConfigError(f"world size {world_size} is not divisible by ep = {ep}")
 

@@ -58,11 +58,18 @@ def export_hf_weights(lm: nn.Module, args: MegatronModelArgs) -> Iterator[tuple[
     ps = mcore().parallel_state
     tp_group = ps.get_tensor_model_parallel_group()
     ep_group = ps.get_expert_model_parallel_group()
-    ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    _ep_rank, ep_size = (
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_world_size(),
+    )
     cfg = args.transformer
     n_exp = cfg["num_moe_experts"]
     per = n_exp // ep_size
-    dims = dict(num_heads=cfg["num_attention_heads"], num_query_groups=cfg["num_query_groups"], head_dim=cfg["kv_channels"])
+    dims = dict(
+        num_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_query_groups"],
+        head_dim=cfg["kv_channels"],
+    )
     pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     produced: set[str] = set()
 
@@ -93,7 +100,11 @@ def export_hf_weights(lm: nn.Module, args: MegatronModelArgs) -> Iterator[tuple[
             for hf_name, hf_tensor in hf_tensors_from_megatron(name, t, **dims):
                 yield from emit(hf_name, hf_tensor)
     if pending:
-        raise UnmappedTensorError(f"incomplete expert sets at the end of export: {sorted(pending)[:4]}")
+        raise UnmappedTensorError(
+            f"incomplete expert sets at the end of export: {sorted(pending)[:4]}"
+        )
     missing = expected_hf_names(args) - produced
     if missing:
-        raise UnmappedTensorError(f"export is missing {len(missing)} text/lm_head tensors, e.g. {sorted(missing)[:5]}")
+        raise UnmappedTensorError(
+            f"export is missing {len(missing)} text/lm_head tensors, e.g. {sorted(missing)[:5]}"
+        )

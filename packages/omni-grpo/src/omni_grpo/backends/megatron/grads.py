@@ -52,7 +52,11 @@ def finalize_grads(model: nn.Module, sequence_parallel: bool) -> None:
     """Make every rank's ``.grad`` the full, data-parallel-averaged gradient of its shard."""
     ps = mcore().parallel_state
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.grad is not None]
-    _reduce([p.grad for n, p in named if _tp_partial(n, p, sequence_parallel)], ps.get_tensor_model_parallel_group(), dist.ReduceOp.SUM)
+    _reduce(
+        [p.grad for n, p in named if _tp_partial(n, p, sequence_parallel)],
+        ps.get_tensor_model_parallel_group(),
+        dist.ReduceOp.SUM,
+    )
     dense = [p.grad for _, p in named if not _is_expert(p)]
     expert = [p.grad for _, p in named if _is_expert(p)]
     dp = ps.get_data_parallel_group()
@@ -77,9 +81,7 @@ def global_grad_norm(model: nn.Module) -> torch.Tensor:
         g = p.grad.float().pow(2).sum()
         if _is_expert(p):
             g = g / edp
-        elif _is_tp_sharded(p):
-            g = g / dp
-        elif tp_rank == 0:
+        elif _is_tp_sharded(p) or tp_rank == 0:
             g = g / dp
         else:
             continue

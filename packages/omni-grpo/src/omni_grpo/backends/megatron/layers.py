@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
         super().__init__()
         self.eps = float(eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=_param_device(config)))
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_param_device(config))
+        )
         # consumed by finalize_grads: under SP each TP rank holds a partial gradient
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
@@ -81,8 +83,12 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = num_local_experts
         hidden, inter = config.hidden_size, config.moe_ffn_hidden_size
         dev, dtype = _param_device(config), config.params_dtype
-        self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, hidden, 2 * inter, device=dev, dtype=dtype))
-        self.fc2_weight = nn.Parameter(torch.empty(num_local_experts, inter, hidden, device=dev, dtype=dtype))
+        self.fc1_weight = nn.Parameter(
+            torch.empty(num_local_experts, hidden, 2 * inter, device=dev, dtype=dtype)
+        )
+        self.fc2_weight = nn.Parameter(
+            torch.empty(num_local_experts, inter, hidden, device=dev, dtype=dtype)
+        )
         std = getattr(config, "init_method_std", 0.02)
         with torch.no_grad():
             self.fc1_weight.normal_(0.0, std)
@@ -94,7 +100,9 @@ class GroupedExperts(nn.Module):
 
     def _loop(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         outs = []
-        for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(probs, counts))):
+        for e, (xe, pe) in enumerate(
+            zip(torch.split(x, counts), torch.split(probs, counts), strict=False)
+        ):
             h = xe @ self.fc1_weight[e]
             gate, up = h.chunk(2, dim=-1)
             a = (F.silu(gate) * up * pe.unsqueeze(-1)).to(x.dtype)
@@ -102,7 +110,10 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs, dim=0) if outs else x.new_zeros(0, self.fc2_weight.shape[2])
 
     def forward(
-        self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
+        self,
+        permuted_hidden: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
     ) -> tuple[torch.Tensor, None]:
         inter, hidden = self.fc2_weight.shape[1], self.fc2_weight.shape[2]
         if self.use_grouped_mm and grouped_mm_supported(permuted_hidden, hidden, inter):
@@ -124,7 +135,9 @@ class InterleavedMRope(nn.Module):
     (Qwen2-VL) when ``interleaved`` is false. Output is rotate-half layout (``cat(f, f)``).
     """
 
-    def __init__(self, head_dim: int, base: float, section: tuple[int, ...], interleaved: bool) -> None:
+    def __init__(
+        self, head_dim: int, base: float, section: tuple[int, ...], interleaved: bool
+    ) -> None:
         super().__init__()
         if sum(section) != head_dim // 2:
             raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
@@ -133,9 +146,13 @@ class InterleavedMRope(nn.Module):
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         self.register_buffer("inv_freq", 1.0 / (float(base) ** exponent), persistent=False)
 
-    def forward(self, position_ids: torch.Tensor, mrope_section: Any = None, cp_group: Any = None) -> torch.Tensor:
+    def forward(
+        self, position_ids: torch.Tensor, mrope_section: Any = None, cp_group: Any = None
+    ) -> torch.Tensor:
         if position_ids.ndim != 3 or position_ids.shape[0] != 3:
-            raise ValueError(f"position_ids must be [3, B, S] (t/h/w), got {tuple(position_ids.shape)}")
+            raise ValueError(
+                f"position_ids must be [3, B, S] (t/h/w), got {tuple(position_ids.shape)}"
+            )
         inv = self.inv_freq.to(position_ids.device)
         freqs = position_ids.float()[..., None] * inv  # [3, B, S, D/2]
         if self.interleaved:
@@ -159,7 +176,9 @@ class SdpaAttention(nn.Module):
     Batches are right-padded, so the causal mask alone is exact for every real token.
     """
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str, **kw: Any) -> None:
+    def __init__(
+        self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str, **kw: Any
+    ) -> None:
         super().__init__()
         self.config = config
         self.softmax_scale = kw.get("softmax_scale")
@@ -175,7 +194,9 @@ class SdpaAttention(nn.Module):
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SdpaAttention supports padded causal batches only (no THD packing, no bias)")
+            raise NotImplementedError(
+                "SdpaAttention supports padded causal batches only (no THD packing, no bias)"
+            )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
@@ -193,9 +214,10 @@ def thinker_block_spec(num_layers: int, num_experts: int, experts_impl: str) -> 
     sub = layer.submodules
     attn = sub.self_attention
     attn = dataclasses.replace(
-        attn, submodules=dataclasses.replace(
+        attn,
+        submodules=dataclasses.replace(
             attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm, core_attention=SdpaAttention
-        )
+        ),
     )
     mlp = sub.mlp
     if experts_impl == "grouped":
@@ -203,6 +225,8 @@ def thinker_block_spec(num_layers: int, num_experts: int, experts_impl: str) -> 
         mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_sub})
     elif experts_impl != "sequential":
         raise ValueError(f"experts_impl must be 'grouped' or 'sequential', got {experts_impl!r}")
-    sub = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attn, mlp=mlp)
+    sub = dataclasses.replace(
+        sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attn, mlp=mlp
+    )
     layer = dataclasses.replace(layer, submodules=sub)
     return m.TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)

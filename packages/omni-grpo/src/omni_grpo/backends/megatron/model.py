@@ -64,7 +64,9 @@ def build_language_model(args: MegatronModelArgs, config: Any | None = None) -> 
         rotary_base=int(args.rotary_base),
     )
     # Qwen3's interleaved M-RoPE replaces megatron's chunked MultimodalRotaryEmbedding.
-    model.rotary_pos_emb = InterleavedMRope(args.head_dim, args.rotary_base, args.mrope_section, args.mrope_interleaved)
+    model.rotary_pos_emb = InterleavedMRope(
+        args.head_dim, args.rotary_base, args.mrope_section, args.mrope_interleaved
+    )
     dev = next(model.parameters()).device
     model.rotary_pos_emb.to(dev)
     return model
@@ -94,11 +96,14 @@ class SafetensorsDir:
         self._handles = {f: safe_open(str(f), framework="pt") for f in files}
         self._where: dict[str, Path] = {}
         for f, h in self._handles.items():
-            for k in h.keys():
+            for k in h.keys():  # noqa: SIM118 (safe_open is not iterable)
                 self._where[k] = f
 
     def keys(self) -> list[str]:
         return list(self._where)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -109,7 +114,9 @@ class SafetensorsDir:
         return self._handles[self._where[name]].get_tensor(name)
 
 
-def load_language_model(model: nn.Module, vl_dir: str | Path, args: MegatronModelArgs, shard: ShardSpec) -> list[str]:
+def load_language_model(
+    model: nn.Module, vl_dir: str | Path, args: MegatronModelArgs, shard: ShardSpec
+) -> list[str]:
     """Fill every parameter of ``model`` from the extracted vl checkpoint through the name table.
 
     Returns the HF names consumed. Raises if a parameter has no table row, a source tensor is
@@ -141,12 +148,16 @@ def load_language_model(model: nn.Module, vl_dir: str | Path, args: MegatronMode
                 shard=shard,
             )
             if tuple(t.shape) != tuple(param.shape):
-                raise ValueError(f"{name}: checkpoint gives shape {tuple(t.shape)}, parameter is {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint gives shape {tuple(t.shape)}, parameter is {tuple(param.shape)}"
+                )
             param.copy_(t.to(param.dtype))
-    lm = {k for k in src.keys() if k.startswith("model.language_model.") or k.startswith("lm_head.")}
+    lm = {k for k in src if k.startswith("model.language_model.") or k.startswith("lm_head.")}
     unused = sorted(lm - used)
     if unused:
-        raise ValueError(f"{vl_dir}: {len(unused)} language-model tensors were not loaded, e.g. {unused[:5]}")
+        raise ValueError(
+            f"{vl_dir}: {len(unused)} language-model tensors were not loaded, e.g. {unused[:5]}"
+        )
     return sorted(used)
 
 
@@ -159,15 +170,19 @@ def load_visual(vl_dir: str | Path, device: torch.device, dtype: torch.dtype) ->
     visual = Qwen3VLMoeVisionModel._from_config(cfg.vision_config, torch_dtype=dtype)
     src = SafetensorsDir(vl_dir)
     prefix = "model.visual."
-    state = {k[len(prefix) :]: src.get(k) for k in src.keys() if k.startswith(prefix)}
+    state = {k[len(prefix) :]: src.get(k) for k in src if k.startswith(prefix)}
     missing, unexpected = visual.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{vl_dir}: visual tower missing {missing[:5]} unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{vl_dir}: visual tower missing {missing[:5]} unexpected {unexpected[:5]}"
+        )
     visual.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return visual
 
 
-def run_visual(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def run_visual(
+    visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Merged embeddings ``[N, H]`` and deepstack features (list of ``[N, H]``) across transformers versions."""
     dtype = next(visual.parameters()).dtype
     out = visual(pixel_values.to(dtype), grid_thw=grid_thw)
@@ -178,7 +193,12 @@ def run_visual(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Te
 
 # ----------------------------------------------------------------------------- the thinker
 def _window_scatter(
-    window: torch.Tensor, full_mask: torch.Tensor, rows: torch.Tensor, start: int, end: int, add: bool
+    window: torch.Tensor,
+    full_mask: torch.Tensor,
+    rows: torch.Tensor,
+    start: int,
+    end: int,
+    add: bool,
 ) -> torch.Tensor:
     """Place (or add) ``rows`` at ``full_mask`` positions inside a ``[s, B, H]`` sequence window."""
     from omni_audio_inject import scatter_audio_window
@@ -227,7 +247,9 @@ class MegatronThinker(nn.Module):
                 return output
             hidden = output[0] if isinstance(output, tuple) else output
             start, end = self._window
-            hidden = _window_scatter(hidden, self._visual_mask, self._deepstack[index], start, end, add=True)
+            hidden = _window_scatter(
+                hidden, self._visual_mask, self._deepstack[index], start, end, add=True
+            )
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
         return hook
@@ -239,11 +261,15 @@ class MegatronThinker(nn.Module):
         ps = mcore().parallel_state
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         if seq_len % tp:
-            raise ValueError(f"sequence length {seq_len} must be a multiple of tp={tp} under sequence parallelism")
+            raise ValueError(
+                f"sequence length {seq_len} must be a multiple of tp={tp} under sequence parallelism"
+            )
         chunk = seq_len // tp
         return rank * chunk, (rank + 1) * chunk
 
-    def _visual_rows(self, input_ids: torch.Tensor, mm: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    def _visual_rows(
+        self, input_ids: torch.Tensor, mm: dict[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
         ids = self.args.token_ids
         out = []
         for pix_key, grid_key, tok_key in (
@@ -254,36 +280,51 @@ class MegatronThinker(nn.Module):
             mask = input_ids == ids[tok_key] if tok_key in ids else None
             if pix is None:
                 if mask is not None and bool(mask.any()):
-                    raise ValueError(f"input_ids hold {tok_key} placeholders but no {pix_key} were given")
+                    raise ValueError(
+                        f"input_ids hold {tok_key} placeholders but no {pix_key} were given"
+                    )
                 continue
             if self.visual is None:
                 raise ValueError(f"{pix_key} given but the model has no visual tower")
             with torch.no_grad():
-                embeds, deepstack = run_visual(self.visual, pix.to(input_ids.device), mm[grid_key].to(input_ids.device))
+                embeds, deepstack = run_visual(
+                    self.visual, pix.to(input_ids.device), mm[grid_key].to(input_ids.device)
+                )
             if int(mask.sum()) != embeds.shape[0]:
-                raise ValueError(f"{tok_key}: {int(mask.sum())} placeholders but the tower produced {embeds.shape[0]} rows")
+                raise ValueError(
+                    f"{tok_key}: {int(mask.sum())} placeholders but the tower produced {embeds.shape[0]} rows"
+                )
             out.append((mask, embeds, deepstack))
         return out
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mm: dict[str, torch.Tensor] | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mm: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         mm = mm or {}
         b, s = input_ids.shape
         if tuple(position_ids.shape) != (3, b, s):
-            raise ValueError(f"position_ids must be [3, {b}, {s}] (explicit M-RoPE ids), got {tuple(position_ids.shape)}")
+            raise ValueError(
+                f"position_ids must be [3, {b}, {s}] (explicit M-RoPE ids), got {tuple(position_ids.shape)}"
+            )
         start, end = self._window = self._sequence_window(s)
         emb = self.lm.embedding(input_ids=input_ids, position_ids=None)  # [s_local, B, H]
         if self.audio is not None:
             window = None if (start, end) == (0, s) else (start, end)
-            emb = self.audio.inject(
-                input_ids,
-                emb.transpose(0, 1),
-                mm.get("input_features"),
-                mm.get("feature_attention_mask"),
-                window=window,
-                full_input_ids=input_ids,
-            ).transpose(0, 1).contiguous()
+            emb = (
+                self.audio.inject(
+                    input_ids,
+                    emb.transpose(0, 1),
+                    mm.get("input_features"),
+                    mm.get("feature_attention_mask"),
+                    window=window,
+                    full_input_ids=input_ids,
+                )
+                .transpose(0, 1)
+                .contiguous()
+            )
         elif mm.get("input_features") is not None:
             raise ValueError("input_features given but the model has no audio tower (audio_dir)")
         visual = self._visual_rows(input_ids, mm)
@@ -297,7 +338,9 @@ class MegatronThinker(nn.Module):
                 levels = len(visual[0][2])
                 joint = []
                 for level in range(levels):
-                    rows = torch.zeros(int(vmask.sum()), emb.shape[-1], device=emb.device, dtype=emb.dtype)
+                    rows = torch.zeros(
+                        int(vmask.sum()), emb.shape[-1], device=emb.device, dtype=emb.dtype
+                    )
                     for mask, _, ds in visual:
                         rows[mask[vmask]] = ds[level].to(emb.dtype)
                     joint.append(rows)
@@ -305,7 +348,10 @@ class MegatronThinker(nn.Module):
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
         try:
             return self.lm(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=causal, decoder_input=emb
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=causal,
+                decoder_input=emb,
             )
         finally:
             self._deepstack, self._visual_mask = None, None
@@ -319,7 +365,9 @@ def read_vl_config(vl_dir: str | Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{path}: extracted vl config not found (run omni-extract variant 'vl')") from exc
+        raise FileNotFoundError(
+            f"{path}: extracted vl config not found (run omni-extract variant 'vl')"
+        ) from exc
 
 
 @contextmanager

@@ -46,7 +46,9 @@ _LAYER = "decoder.layers.{L}."
 _HF_LAYER = HF_LM + "layers.{L}."
 
 NAME_TABLE: tuple[NameRule, ...] = (
-    NameRule("embedding.word_embeddings.weight", (HF_LM + "embed_tokens.weight",), "copy", tp_dim=0),
+    NameRule(
+        "embedding.word_embeddings.weight", (HF_LM + "embed_tokens.weight",), "copy", tp_dim=0
+    ),
     NameRule("output_layer.weight", ("lm_head.weight",), "copy", tp_dim=0),
     NameRule("decoder.final_layernorm.weight", (HF_LM + "norm.weight",), "copy"),
     NameRule(_LAYER + "input_layernorm.weight", (_HF_LAYER + "input_layernorm.weight",), "copy"),
@@ -60,14 +62,41 @@ NAME_TABLE: tuple[NameRule, ...] = (
         "qkv",
         tp_dim=0,
     ),
-    NameRule(_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",), "copy", tp_dim=1),
-    NameRule(_LAYER + "self_attention.q_layernorm.weight", (_HF_LAYER + "self_attn.q_norm.weight",), "copy"),
-    NameRule(_LAYER + "self_attention.k_layernorm.weight", (_HF_LAYER + "self_attn.k_norm.weight",), "copy"),
-    NameRule(_LAYER + "pre_mlp_layernorm.weight", (_HF_LAYER + "post_attention_layernorm.weight",), "copy"),
+    NameRule(
+        _LAYER + "self_attention.linear_proj.weight",
+        (_HF_LAYER + "self_attn.o_proj.weight",),
+        "copy",
+        tp_dim=1,
+    ),
+    NameRule(
+        _LAYER + "self_attention.q_layernorm.weight",
+        (_HF_LAYER + "self_attn.q_norm.weight",),
+        "copy",
+    ),
+    NameRule(
+        _LAYER + "self_attention.k_layernorm.weight",
+        (_HF_LAYER + "self_attn.k_norm.weight",),
+        "copy",
+    ),
+    NameRule(
+        _LAYER + "pre_mlp_layernorm.weight",
+        (_HF_LAYER + "post_attention_layernorm.weight",),
+        "copy",
+    ),
     NameRule(_LAYER + "mlp.router.weight", (_HF_LAYER + "mlp.gate.weight",), "copy"),
     # grouped experts (our torch._grouped_mm module): all local experts in one tensor
-    NameRule(_LAYER + "mlp.experts.fc1_weight", (_HF_LAYER + "mlp.experts.gate_up_proj",), "fc1_grouped", ep=True),
-    NameRule(_LAYER + "mlp.experts.fc2_weight", (_HF_LAYER + "mlp.experts.down_proj",), "fc2_grouped", ep=True),
+    NameRule(
+        _LAYER + "mlp.experts.fc1_weight",
+        (_HF_LAYER + "mlp.experts.gate_up_proj",),
+        "fc1_grouped",
+        ep=True,
+    ),
+    NameRule(
+        _LAYER + "mlp.experts.fc2_weight",
+        (_HF_LAYER + "mlp.experts.down_proj",),
+        "fc2_grouped",
+        ep=True,
+    ),
     # megatron-core SequentialMLP: one MLP per local expert
     NameRule(
         _LAYER + "mlp.experts.local_experts.{E}.linear_fc1.weight",
@@ -103,7 +132,9 @@ def match_megatron(name: str) -> tuple[NameRule, int | None, int | None]:
         if m:
             d = m.groupdict()
             return rule, (int(d["L"]) if "L" in d else None), (int(d["E"]) if "E" in d else None)
-    raise UnmappedTensorError(f"Megatron parameter {name!r} has no row in the HF<->Megatron name table")
+    raise UnmappedTensorError(
+        f"Megatron parameter {name!r} has no row in the HF<->Megatron name table"
+    )
 
 
 def hf_names(rule: NameRule, layer: int | None) -> tuple[str, ...]:
@@ -111,15 +142,19 @@ def hf_names(rule: NameRule, layer: int | None) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------ packings
-def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+def pack_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int
+) -> torch.Tensor:
     """HF q/k/v projections ``[heads*d, H]``, ``[groups*d, H]`` x2 -> Megatron ``linear_qkv``."""
     g = num_query_groups
     hidden = q.shape[-1]
     if k.shape != v.shape or k.shape[0] % g or q.shape[0] % g:
-        raise ValueError(f"q/k/v shapes {tuple(q.shape)}/{tuple(k.shape)}/{tuple(v.shape)} do not split into {g} groups")
-    return torch.cat([q.reshape(g, -1, hidden), k.reshape(g, -1, hidden), v.reshape(g, -1, hidden)], dim=1).reshape(
-        -1, hidden
-    )
+        raise ValueError(
+            f"q/k/v shapes {tuple(q.shape)}/{tuple(k.shape)}/{tuple(v.shape)} do not split into {g} groups"
+        )
+    return torch.cat(
+        [q.reshape(g, -1, hidden), k.reshape(g, -1, hidden), v.reshape(g, -1, hidden)], dim=1
+    ).reshape(-1, hidden)
 
 
 def unpack_qkv(
@@ -130,7 +165,9 @@ def unpack_qkv(
     hidden = qkv.shape[-1]
     expected = g * (per + 2) * head_dim
     if qkv.shape[0] != expected:
-        raise ValueError(f"linear_qkv has {qkv.shape[0]} rows, expected {expected} (groups={g}, heads={num_heads})")
+        raise ValueError(
+            f"linear_qkv has {qkv.shape[0]} rows, expected {expected} (groups={g}, heads={num_heads})"
+        )
     x = qkv.reshape(g, (per + 2) * head_dim, hidden)
     q, k, v = torch.split(x, [per * head_dim, head_dim, head_dim], dim=1)
     return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
@@ -175,7 +212,9 @@ def _tp_slice(t: torch.Tensor, dim: int | None, shard: ShardSpec) -> torch.Tenso
     if dim is None or shard.tp_size == 1:
         return t
     if t.shape[dim] % shard.tp_size:
-        raise ValueError(f"dim {dim} of shape {tuple(t.shape)} is not divisible by tp={shard.tp_size}")
+        raise ValueError(
+            f"dim {dim} of shape {tuple(t.shape)} is not divisible by tp={shard.tp_size}"
+        )
     return t.chunk(shard.tp_size, dim=dim)[shard.tp_rank]
 
 
@@ -201,7 +240,9 @@ def megatron_tensor_from_hf(
     lo = shard.ep_rank * per
     fused = get(hf[0])
     if fused.shape[0] != num_experts:
-        raise ValueError(f"{hf[0]}: expected {num_experts} experts on dim 0, got shape {tuple(fused.shape)}")
+        raise ValueError(
+            f"{hf[0]}: expected {num_experts} experts on dim 0, got shape {tuple(fused.shape)}"
+        )
     if rule.kind in ("fc1_grouped", "fc2_grouped"):
         return fused[lo : lo + per].contiguous()
     assert local_e is not None
@@ -213,9 +254,13 @@ def megatron_tensor_from_hf(
 def hf_shapes_check(name: str, tensor: torch.Tensor, hidden: int, inter: int) -> None:
     """Guard against the square-shape trap: fused experts must be hub-layout [E,H,2I] / [E,I,H]."""
     if name.endswith("mlp.experts.gate_up_proj") and tuple(tensor.shape[1:]) != (hidden, 2 * inter):
-        raise ValueError(f"{name}: expected [E, {hidden}, {2 * inter}] (hub VL layout), got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name}: expected [E, {hidden}, {2 * inter}] (hub VL layout), got {tuple(tensor.shape)}"
+        )
     if name.endswith("mlp.experts.down_proj") and tuple(tensor.shape[1:]) != (inter, hidden):
-        raise ValueError(f"{name}: expected [E, {inter}, {hidden}] (hub VL layout), got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name}: expected [E, {inter}, {hidden}] (hub VL layout), got {tuple(tensor.shape)}"
+        )
 
 
 # ------------------------------------------------------------------------------------ export
@@ -237,14 +282,16 @@ def hf_tensors_from_megatron(
     if rule.kind == "copy":
         yield hf[0], full
     elif rule.kind == "qkv":
-        yield from zip(hf, unpack_qkv(full, num_heads, num_query_groups, head_dim))
+        yield from zip(hf, unpack_qkv(full, num_heads, num_query_groups, head_dim), strict=False)
     elif rule.kind in ("fc1_grouped", "fc2_grouped"):
         yield hf[0], full  # already the hub layout
     else:
         raise ValueError(f"{name}: per-expert tensors must be fused with fuse_expert_rows")
 
 
-def fuse_expert_rows(per_expert: Mapping[int, torch.Tensor], kind: Kind, num_experts: int) -> torch.Tensor:
+def fuse_expert_rows(
+    per_expert: Mapping[int, torch.Tensor], kind: Kind, num_experts: int
+) -> torch.Tensor:
     """Stack per-expert Megatron fc1 ``[2I,H]`` / fc2 ``[H,I]`` (global expert index) into HF fused layout."""
     missing = sorted(set(range(num_experts)) - set(per_expert))
     if missing:

@@ -25,7 +25,9 @@ class MasterAdamW:
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+        self.opt = torch.optim.AdamW(
+            self.masters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
+        )
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -19,7 +19,6 @@ import torch
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-
 def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file
 
@@ -28,14 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--device", default="cuda:1")
-    ap.add_argument("--expected", default=None, help="safetensors file of server-named tensors to compare with")
+    ap.add_argument(
+        "--expected", default=None, help="safetensors file of server-named tensors to compare with"
+    )
     ap.add_argument("--group", default="omni_grpo_weights_test")
     ap.add_argument("--rounds", type=int, default=1)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     torch.cuda.set_device(device)
     store = join_store("127.0.0.1", a.port, 2, 600)
-    group = build_group(store, group_name=a.group, world_size=2, rank=1, backend="nccl", timeout_s=600)
+    group = build_group(
+        store, group_name=a.group, world_size=2, rank=1, backend="nccl", timeout_s=600
+    )
     for rnd in range(a.rounds):
         expected = None
         seen, bad, nbytes, i = [], [], 0, 0
@@ -43,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             meta = json.loads(store.get(f"r{rnd}/bucket/{i}"))
             if i == 0 and a.expected:  # the sender writes the file before posting its first bucket
                 expected = load_file(a.expected.format(round=rnd))
-            bufs = [torch.empty(s, dtype=_DTYPES[d], device=device) for s, d in zip(meta["shapes"], meta["dtypes"], strict=True)]
+            bufs = [
+                torch.empty(s, dtype=_DTYPES[d], device=device)
+                for s, d in zip(meta["shapes"], meta["dtypes"], strict=True)
+            ]
             works = [group.broadcast(b) for b in bufs]
             for w in works:
                 w.wait()
@@ -52,14 +58,28 @@ def main(argv: list[str] | None = None) -> int:
                 seen.append(name)
                 if expected is not None:
                     ref = expected.get(name)
-                    if ref is None or ref.shape != buf.shape or ref.dtype != buf.dtype or not torch.equal(ref.to(device), buf):
+                    if (
+                        ref is None
+                        or ref.shape != buf.shape
+                        or ref.dtype != buf.dtype
+                        or not torch.equal(ref.to(device), buf)
+                    ):
                         bad.append(name)
             i += 1
             if meta["last"]:
                 break
         torch.cuda.synchronize(device)
         missing = sorted(set(expected) - set(seen)) if expected is not None else []
-        result = {"round": rnd, "tensors": len(seen), "bytes": nbytes, "buckets": i, "mismatched": bad[:20], "n_mismatched": len(bad), "missing": missing[:20], "n_missing": len(missing)}
+        result = {
+            "round": rnd,
+            "tensors": len(seen),
+            "bytes": nbytes,
+            "buckets": i,
+            "mismatched": bad[:20],
+            "n_mismatched": len(bad),
+            "missing": missing[:20],
+            "n_missing": len(missing),
+        }
         store.set(f"r{rnd}/result", json.dumps(result))
         # ack through the group too, so the sender can time "every byte landed"
         ack = torch.ones(1, device=device)

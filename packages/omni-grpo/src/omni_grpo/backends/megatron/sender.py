@@ -22,8 +22,22 @@ from omni_grpo.sync.base import ServerTensors
 from omni_grpo.sync.buckets import buckets
 
 
-def start_receiver(port: int, device: str, expected: str | None, rounds: int, group: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "omni_grpo.backends.megatron.receiver", "--port", str(port), "--device", device, "--rounds", str(rounds), "--group", group]
+def start_receiver(
+    port: int, device: str, expected: str | None, rounds: int, group: str
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "omni_grpo.backends.megatron.receiver",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--rounds",
+        str(rounds),
+        "--group",
+        group,
+    ]
     if expected:
         cmd += ["--expected", expected]
     return subprocess.Popen(cmd)
@@ -44,7 +58,17 @@ def push_to_receiver(
     n_buckets = 0
     in_flight: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
     for i, bucket in enumerate(buckets(source, bucket_bytes)):
-        store.set(f"r{round_}/bucket/{i}", json.dumps({"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "last": bucket.last}))
+        store.set(
+            f"r{round_}/bucket/{i}",
+            json.dumps(
+                {
+                    "names": bucket.names,
+                    "dtypes": bucket.dtypes,
+                    "shapes": bucket.shapes,
+                    "last": bucket.last,
+                }
+            ),
+        )
         tensors = [t.to(device) for t in bucket.tensors]
         # keep the next bucket's export (gathers, renames) overlapping this bucket's broadcasts;
         # at most `max_in_flight` buckets are held, which bounds the extra memory
@@ -61,12 +85,23 @@ def push_to_receiver(
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     verdict = json.loads(store.get(f"r{round_}/result"))
-    return {"seconds": seconds, "bytes": source.bytes, "tensors": source.tensors, "buckets": n_buckets, "receiver": verdict}
+    return {
+        "seconds": seconds,
+        "bytes": source.bytes,
+        "tensors": source.tensors,
+        "buckets": n_buckets,
+        "receiver": verdict,
+    }
 
 
 def raw_broadcast(group: Any, store: Any, nbytes: int, device: torch.device, round_: int) -> float:
     """Time one broadcast of ``nbytes`` in a single flat buffer (the baseline), receiver included."""
-    store.set(f"r{round_}/bucket/0", json.dumps({"names": ["raw"], "dtypes": ["bfloat16"], "shapes": [[nbytes // 2]], "last": True}))
+    store.set(
+        f"r{round_}/bucket/0",
+        json.dumps(
+            {"names": ["raw"], "dtypes": ["bfloat16"], "shapes": [[nbytes // 2]], "last": True}
+        ),
+    )
     buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()

@@ -43,7 +43,12 @@ def init_parallel(megatron: Any, seed: int = 0, backend: str | None = None) -> N
     ps = mcore().parallel_state
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=os.environ.get("MASTER_PORT", "29517"),
+            )
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
@@ -68,7 +73,13 @@ def build_thinker(
 ) -> MegatronThinker:
     """The Megatron thinker for this rank, weights loaded from omni-extract's ``vl`` (+ ``audio``) output."""
     cfg = read_vl_config(vl_dir)
-    args = megatron_model_args(cfg, megatron, world_size=dist.get_world_size(), experts_impl=experts_impl, source=str(Path(vl_dir) / "config.json"))
+    args = megatron_model_args(
+        cfg,
+        megatron,
+        world_size=dist.get_world_size(),
+        experts_impl=experts_impl,
+        source=str(Path(vl_dir) / "config.json"),
+    )
     lm = build_language_model(args, build_transformer_config(args))
     load_language_model(lm, vl_dir, args, current_shard())
     if freeze_lm_head:
@@ -135,7 +146,12 @@ class MegatronTrainer:
         self.algo = algo_cfg
         self.mcfg = trainer_cfg.megatron
         params = [p for _, p in thinker.trainable_parameters()]
-        self.optim = MasterAdamW(params, lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas), weight_decay=trainer_cfg.weight_decay)
+        self.optim = MasterAdamW(
+            params,
+            lr=trainer_cfg.lr,
+            betas=tuple(trainer_cfg.betas),
+            weight_decay=trainer_cfg.weight_decay,
+        )
         self.device = next(thinker.lm.parameters()).device
         self.pad_multiple = self.mcfg.tp if thinker.lm.config.sequence_parallel else 1
 
@@ -158,12 +174,16 @@ class MegatronTrainer:
             for name, buf in per_tok.items():
                 vals = getattr(batch, name)[i]
                 if vals.numel() != n - st:
-                    raise ValueError(f"sample {i}: {name} has {vals.numel()} values for {n - st} response tokens")
+                    raise ValueError(
+                        f"sample {i}: {name} has {vals.numel()} values for {n - st} response tokens"
+                    )
                 buf[r, st - 1 : n - 1] = vals
         mm = _collate_mm([batch.mm[i] for i in idx]) if batch.mm else {}
         dev = self.device
         return dict(
-            ids=ids.to(dev), pos=pos.to(dev), mask=mask.to(dev),
+            ids=ids.to(dev),
+            pos=pos.to(dev),
+            mask=mask.to(dev),
             adv=batch.advantages[idx].to(dev),
             mm={k: v.to(dev) for k, v in mm.items()},
             **{k: v.to(dev) for k, v in per_tok.items()},
@@ -188,19 +208,35 @@ class MegatronTrainer:
             if old is None and not self.algo.use_rollout_logprobs:
                 old = logp.detach()  # on-policy single epoch: ratio 1
             loss, metrics = grpo_loss(
-                logp, old, micro["adv"], micro["mask"], self.algo,
-                ref_logp=micro.get("ref_logp"), rollout_logp=micro.get("rollout_logp"),
-                num_samples=num_samples, num_tokens=num_tokens,
+                logp,
+                old,
+                micro["adv"],
+                micro["mask"],
+                self.algo,
+                ref_logp=micro.get("ref_logp"),
+                rollout_logp=micro.get("rollout_logp"),
+                num_samples=num_samples,
+                num_tokens=num_tokens,
             )
             loss.backward()
             w = len(idx) / num_samples
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + (v if k in ("loss", "pg_loss", "entropy_loss", "kl_loss", "response_tokens") else v * w)
+                totals[k] = totals.get(k, 0.0) + (
+                    v
+                    if k in ("loss", "pg_loss", "entropy_loss", "kl_loss", "response_tokens")
+                    else v * w
+                )
         finalize_grads(self.thinker.lm, self.thinker.lm.config.sequence_parallel)
         norm = float(global_grad_norm(self.thinker.lm))
-        scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if math.isfinite(norm) else float("nan")
+        scale = (
+            min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))
+            if math.isfinite(norm)
+            else float("nan")
+        )
         stepped = self.optim.step(scale)
-        totals.update(grad_norm=norm, skipped_step=0.0 if stepped else 1.0, micro_batches=float(len(plan)))
+        totals.update(
+            grad_norm=norm, skipped_step=0.0 if stepped else 1.0, micro_batches=float(len(plan))
+        )
         return totals
 
     def export(self) -> Any:

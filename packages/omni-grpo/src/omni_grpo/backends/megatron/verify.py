@@ -34,12 +34,22 @@ def make_checkpoint(root: Path) -> dict[str, Path]:
     return paths
 
 
-def mm_batch(cfg: dict[str, Any], seed: int = 0, rows: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+def mm_batch(
+    cfg: dict[str, Any], seed: int = 0, rows: int = 2
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """Two rows of text + image (1x4x4) + video (2x4x4) + audio (300 mel frames); positions from omni-rope."""
     from omni_rope import OmniRopeConfig, get_rope_index
 
     side = cfg["omni_sideband"]
-    vs, ve, img, vid = (cfg[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"))
+    vs, ve, img, vid = (
+        cfg[k]
+        for k in (
+            "vision_start_token_id",
+            "vision_end_token_id",
+            "image_token_id",
+            "video_token_id",
+        )
+    )
     as_, ae, aud = side["audio_start_token_id"], side["audio_end_token_id"], side["audio_token_id"]
     row = [5, 6, vs, *[img] * 4, ve, vs, *[vid] * 8, ve, as_, *[aud] * 39, ae, 7]
     ids = torch.tensor([row] * rows)
@@ -54,23 +64,39 @@ def mm_batch(cfg: dict[str, Any], seed: int = 0, rows: int = 2) -> tuple[torch.T
         "feature_attention_mask": torch.ones(rows, 300, dtype=torch.long),
     }
     pos, _ = get_rope_index(
-        ids, None, OmniRopeConfig.from_vl_config(cfg),
-        image_grid_thw=mm["image_grid_thw"], video_grid_thw=mm["video_grid_thw"],
-        second_per_grids=mm["video_second_per_grid"], audio_seqlens=mm["feature_attention_mask"].sum(-1),
+        ids,
+        None,
+        OmniRopeConfig.from_vl_config(cfg),
+        image_grid_thw=mm["image_grid_thw"],
+        video_grid_thw=mm["video_grid_thw"],
+        second_per_grids=mm["video_second_per_grid"],
+        audio_seqlens=mm["feature_attention_mask"].sum(-1),
     )
     return ids, mm, pos
 
 
-def hf_logits(omni: Path, ids: torch.Tensor, mm: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def hf_logits(
+    omni: Path,
+    ids: torch.Tensor,
+    mm: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
     try:  # the eager expert loop is the plain reference (grouped_mm has no fp32 CUDA kernel)
-        hf = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(omni), dtype=dtype, experts_implementation="eager")
+        hf = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+            str(omni), dtype=dtype, experts_implementation="eager"
+        )
     except (TypeError, ValueError):
         hf = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(omni), dtype=dtype)
     hf = hf.to(device).eval()
     with torch.no_grad():
-        out = hf(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), **{k: v.to(device) for k, v in mm.items()}).logits
+        out = hf(
+            input_ids=ids.to(device),
+            attention_mask=torch.ones_like(ids).to(device),
+            **{k: v.to(device) for k, v in mm.items()},
+        ).logits
     return out.float()
 
 
@@ -96,9 +122,14 @@ def parity(out: Path) -> dict[str, Any]:
     ids, mm, pos = mm_batch(cfg)
     report: dict[str, Any] = {"tokens": list(ids.shape)}
     ref32 = hf_logits(paths["omni"], ids, mm, torch.float32, dev)
-    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for precision, _dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for impl in ("grouped", "sequential"):
-            th = build_thinker(paths["vl"], MegatronConfig(precision=precision), audio_dir=paths["audio"], experts_impl=impl)
+            th = build_thinker(
+                paths["vl"],
+                MegatronConfig(precision=precision),
+                audio_dir=paths["audio"],
+                experts_impl=impl,
+            )
             th.eval()
             with torch.no_grad():
                 logits = th(ids.to(dev), pos.to(dev), {k: v.to(dev) for k, v in mm.items()}).float()
@@ -113,7 +144,10 @@ def parity(out: Path) -> dict[str, Any]:
     tids = torch.randint(0, 300, (2, 32))
     tpos = torch.arange(32, dtype=torch.float32)[None, None].expand(3, 2, 32)
     with torch.no_grad():
-        report["fp32_text_only_vs_hf_fp32"] = _diff(th(tids.to(dev), tpos.to(dev)).float(), hf_logits(paths["omni"], tids, {}, torch.float32, dev))
+        report["fp32_text_only_vs_hf_fp32"] = _diff(
+            th(tids.to(dev), tpos.to(dev)).float(),
+            hf_logits(paths["omni"], tids, {}, torch.float32, dev),
+        )
     out.write_text(json.dumps(report, indent=1))
     return report
 
@@ -137,7 +171,9 @@ def _grpo_batch(th: Any, cfg: dict[str, Any], n_prompts: int, group: int, seed: 
         mms.append({k: v.clone() for k, v in mm.items()})
     rewards = torch.rand(n_prompts * group, generator=g)
     adv = group_advantages(rewards, group)
-    return GRPOBatch(input_ids=samples, position_ids=positions, response_start=starts, advantages=adv, mm=mms)
+    return GRPOBatch(
+        input_ids=samples, position_ids=positions, response_start=starts, advantages=adv, mm=mms
+    )
 
 
 def tp_step(out: Path) -> dict[str, Any]:
@@ -161,7 +197,9 @@ def tp_step(out: Path) -> dict[str, Any]:
     dist.barrier()
     paths = make_checkpoint(root)
     cfg = read_vl_config(paths["vl"])
-    report: dict[str, Any] = {"layout": {"tp": 2, "ep": 2, "sp": True, "world": dist.get_world_size()}}
+    report: dict[str, Any] = {
+        "layout": {"tp": 2, "ep": 2, "sp": True, "world": dist.get_world_size()}
+    }
 
     th = build_thinker(paths["vl"], mcfg, audio_dir=paths["audio"])
     ids, mm, pos = mm_batch(cfg)  # S = 60: a multiple of tp
@@ -170,7 +208,9 @@ def tp_step(out: Path) -> dict[str, Any]:
         local = th(ids.to(dev), pos.to(dev), {k: v.to(dev) for k, v in mm.items()})
         full = mcore().gather_from_tensor_model_parallel_region(local).float()
     if rank == 0:
-        report["tp2_ep2_sp_logits_vs_hf_fp32"] = _diff(full, hf_logits(paths["omni"], ids, mm, torch.float32, dev))
+        report["tp2_ep2_sp_logits_vs_hf_fp32"] = _diff(
+            full, hf_logits(paths["omni"], ids, mm, torch.float32, dev)
+        )
 
     # ---- weight sync round trip 0: the freshly loaded model must equal the checkpoint file bit for bit
     store = group = proc = None
@@ -178,18 +218,31 @@ def tp_step(out: Path) -> dict[str, Any]:
     exp1 = root / "expected_1.safetensors"
     if rank == 0:
         src = SafetensorsDir(paths["vl"])
-        vl_lm = [(k, src.get(k)) for k in src.keys() if k.startswith(("model.language_model.", "lm_head."))]
+        vl_lm = [
+            (k, src.get(k)) for k in src if k.startswith(("model.language_model.", "lm_head."))
+        ]
         save_file(dict(ServerTensors(vl_lm, "vl_hub")), str(exp0))
         store = host_store("127.0.0.1", 2, 600)
-        proc = start_receiver(store.port, "cuda:1", str(root / "expected_{round}.safetensors"), 2, "omni_grpo_verify")
-        group = build_group(store, group_name="omni_grpo_verify", world_size=2, rank=0, backend="nccl", timeout_s=600)
+        proc = start_receiver(
+            store.port, "cuda:1", str(root / "expected_{round}.safetensors"), 2, "omni_grpo_verify"
+        )
+        group = build_group(
+            store,
+            group_name="omni_grpo_verify",
+            world_size=2,
+            rank=0,
+            backend="nccl",
+            timeout_s=600,
+        )
     exported = list(th_export(th))
     if rank == 0:
         report["sync_after_load"] = push_to_receiver(group, store, exported, 0, 1 << 20, dev)
     dist.barrier()
 
     # ---- two GRPO steps with the shared loss (omni_grpo.algo.grpo_loss)
-    trainer = MegatronTrainer(th, TrainerConfig(backend="megatron", lr=1e-3, megatron=mcfg), AlgoConfig())
+    trainer = MegatronTrainer(
+        th, TrainerConfig(backend="megatron", lr=1e-3, megatron=mcfg), AlgoConfig()
+    )
     before = {n: p.detach().clone() for n, p in th.lm.named_parameters()}
     steps = []
     for s in range(2):
@@ -208,7 +261,7 @@ def tp_step(out: Path) -> dict[str, Any]:
     report["params_changed"] = f"{changed}/{len(before)}"
     # replicated (non-TP-sharded, non-expert) params must stay identical across ranks
     drift = 0.0
-    for n, p in th.lm.named_parameters():
+    for _n, p in th.lm.named_parameters():
         if getattr(p, "tensor_model_parallel", False) or getattr(p, "allreduce", True) is False:
             continue
         other = p.detach().clone()
