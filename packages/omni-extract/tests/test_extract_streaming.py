@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omni_extract import extract
 from omni_extract.convert import parse_size
 from omni_extract.errors import DestinationExistsError, ExtractError
@@ -114,3 +116,29 @@ def test_parse_size():
     assert parse_size(123) == 123
     with pytest.raises(ValueError, match="shard size"):
         parse_size("lots")
+
+
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    pad=st.integers(0, 9),
+    dtypes=st.sampled_from(
+        [
+            (torch.bfloat16, torch.bfloat16),
+            (torch.float32, torch.float32),
+            (torch.float16, torch.float16),
+            (torch.bfloat16, torch.float32),
+            (torch.float32, torch.bfloat16),
+        ]
+    ),
+)
+@settings(max_examples=60, deadline=None)
+def test_transpose_into_is_bit_exact(rows, cols, pad, dtypes):
+    from omni_extract.kernels import transpose_into
+
+    src_dtype, dst_dtype = dtypes
+    src = torch.randn(rows, cols).to(src_dtype)
+    block = torch.zeros(cols, rows + pad, dtype=dst_dtype)
+    transpose_into(block[:, pad:], src)
+    assert torch.equal(block[:, pad:], src.T.to(dst_dtype))
+    assert not block[:, :pad].any()

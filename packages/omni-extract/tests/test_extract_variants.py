@@ -153,3 +153,28 @@ def test_every_variant_resolves_tokenizer(tiny_omni_dir, tmp_path_factory, varia
     assert (dst / "chat_template.jinja").is_file() and (dst / "preprocessor_config.json").is_file()
     msgs = [{"role": "user", "content": "hi"}]
     assert "<|im_start|>user" in tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_release_style_legacy_rope_keys(tiny_omni_dir, tmp_path):
+    """The released config.json spells rope as legacy ``rope_scaling`` + ``rope_theta``."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg["thinker_config"]["text_config"]
+    params = text.pop("rope_parameters")
+    text["rope_theta"] = params.pop("rope_theta")
+    text["rope_scaling"] = params
+    (src / "config.json").write_text(json.dumps(cfg))
+    dst = extract(src, tmp_path / "vl", variant="vl").dst
+    out = json.loads((dst / "config.json").read_text())["text_config"]
+    assert out["rope_scaling"] == {
+        "rope_type": params["rope_type"],
+        "mrope_section": params["mrope_section"],
+        "mrope_interleaved": True,
+    }
+    assert out["rope_theta"] == text["rope_theta"]
+    model, info = Qwen3VLMoeForConditionalGeneration.from_pretrained(dst, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.text_config.rope_parameters["rope_theta"] == text["rope_theta"]

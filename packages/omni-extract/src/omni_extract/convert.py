@@ -20,7 +20,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,8 @@ from omni_extract.source import INDEX_FILE, SINGLE_FILE, OmniSource, SourceTenso
 from omni_extract.writer import ShardWriter, tensor_bytes
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
+# Threads that build fused-expert blocks ahead of the writer.
+FUSE_THREADS = max(1, min(4, os.cpu_count() or 1))
 SAFETENSORS_METADATA = {"format": "pt"}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _SIZE_UNITS = {
@@ -82,15 +86,19 @@ def parse_size(size: int | str) -> int:
 
 
 class _Inputs:
-    """Raw read-only descriptors of the input shards, opened on first use."""
+    """Raw read-only descriptors of all input shards (opened up front: worker threads share them,
+    and positional reads need no locking)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, files: tuple[str, ...]) -> None:
         self._fds: dict[str, int] = {}
+        try:
+            for f in files:
+                self._fds[f] = os.open(root / f, os.O_RDONLY)
+        except BaseException:
+            self.close()
+            raise
 
     def fd(self, file: str) -> int:
-        if file not in self._fds:
-            self._fds[file] = os.open(self.root / file, os.O_RDONLY)
         return self._fds[file]
 
     def read(self, src: SourceTensor, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +111,23 @@ class _Inputs:
         self._fds.clear()
 
 
-def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs) -> int:
-    """Stream one output tensor into ``writer``; at most one expert's matrices are in memory."""
+def _fused_block(out: OutputTensor, by_part: dict, expert: int, inputs: _Inputs) -> torch.Tensor:
+    """One expert's contiguous block of a fused tensor, in the VL hub layout.
+
+    gate_up [E, H, 2I]: block [H, 2I] = (gate_e.T | up_e.T); down [E, I, H]: block = down_e.T.
+    """
+    block = torch.empty(out.shape[1:], dtype=out.dtype)
+    if out.fused == "down":
+        transpose_into(block, inputs.read(by_part[expert, "down"]))
+    else:
+        half = out.shape[2] // 2
+        transpose_into(block[:, :half], inputs.read(by_part[expert, "gate"]))
+        transpose_into(block[:, half:], inputs.read(by_part[expert, "up"]))
+    return block
+
+
+def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadPoolExecutor) -> int:
+    """Stream one output tensor into ``writer``; at most a few experts' matrices are in memory."""
     writer.begin(out.name, out.dtype, out.shape)
     if out.source is not None:
         src = out.source
@@ -113,20 +136,18 @@ def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs) -> int:
         else:
             writer.append(tensor_bytes(inputs.read(src).to(out.dtype)))
         return writer.end()
-    # Fused experts in the VL hub layout, written expert by expert (each expert's block is
-    # contiguous in the output): gate_up [E, H, 2I] = (gate_e.T | up_e.T), down [E, I, H] = down_e.T.
+    # Fused experts, written expert by expert (each expert's block is contiguous in the output).
+    # Worker threads build the next blocks (pread and numpy copies release the GIL) while this
+    # thread writes the current one; at most ``depth`` blocks exist at a time.
     by_part = {(expert, part): src for src, expert, part in out.parts}
-    first = out.parts[0][0]
-    scratch = torch.empty(first.shape, dtype=first.dtype)
-    block = torch.empty(out.shape[1:], dtype=out.dtype)
+    depth = pool._max_workers + 1
+    pending: deque[Future[torch.Tensor]] = deque()
     for expert in range(out.shape[0]):
-        if out.fused == "down":
-            transpose_into(block, inputs.read(by_part[expert, "down"], scratch))
-        else:
-            half = out.shape[2] // 2
-            transpose_into(block[:, :half], inputs.read(by_part[expert, "gate"], scratch))
-            transpose_into(block[:, half:], inputs.read(by_part[expert, "up"], scratch))
-        writer.append(tensor_bytes(block))
+        pending.append(pool.submit(_fused_block, out, by_part, expert, inputs))
+        if len(pending) >= depth:
+            writer.append(tensor_bytes(pending.popleft().result()))
+    while pending:
+        writer.append(tensor_bytes(pending.popleft().result()))
     return writer.end()
 
 
@@ -141,14 +162,15 @@ def stream_weights(
 ) -> tuple[str, ...]:
     """Write the planned tensors into ``out_dir`` as sharded safetensors (+ index if >1 shard)."""
     names = _shard_names(len(plan.shards))
-    inputs = _Inputs(source.root)
+    inputs = _Inputs(source.root, source.files)
+    pool = ThreadPoolExecutor(max_workers=FUSE_THREADS, thread_name_prefix="omni-extract")
     weight_map: dict[str, str] = {}
     try:
         for fname, shard in zip(names, plan.shards, strict=True):
             writer = ShardWriter(out_dir / fname, [o.planned for o in shard], SAFETENSORS_METADATA)
             try:
                 for out in shard:
-                    nbytes = _emit(out, writer, inputs)
+                    nbytes = _emit(out, writer, inputs, pool)
                     weight_map[out.name] = fname
                     if progress is not None:
                         progress(nbytes, 1)
@@ -157,6 +179,7 @@ def stream_weights(
                 writer.abort()
                 raise
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         inputs.close()
     if len(names) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
