@@ -34,7 +34,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -51,7 +52,7 @@ from omni_grpo.sync.base import (
 )
 from omni_grpo.sync.buckets import Bucket, buckets
 from omni_grpo.sync.group import WeightUpdateGroup, build_group, host_store, reachable_address
-from omni_grpo.sync.loop import BackgroundLoop
+from omni_grpo.sync.loop import BackgroundLoop, Prefetch
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,9 @@ class DistributedWeightSync:
         infos = self.loop.run(_gather(c.model_info() for c in self.clients), self.timeout_s)
         tp_sizes = [max(info.thinker_tp_sizes or (1,)) for info in infos]
         plan = plan_weight_sync_ranks(tp_sizes)
-        name = f"{self.group_name}_{self._generation}"
+        # Unique per process and attempt: torch keeps a dropped (poisoned) group's name registered,
+        # and a server may still hold an old group under its name.
+        name = f"{self.group_name}_{self._generation}_{uuid.uuid4().hex[:8]}"
         self._generation += 1
         store = host_store(self.master_address, plan.world_size, self.timeout_s)
         log.info(
@@ -176,9 +179,12 @@ class DistributedWeightSync:
         self.loop.run(_gather(c.pause_generation("retract") for c in self.clients), self.timeout_s)
         error: BaseException | None = None
         try:
-            for bucket in itertools.chain([first], pending):
-                self._send_bucket(group, bucket, version)
-                report.buckets += 1
+            # Bucket k+1 is renamed, transposed and moved to the device on a helper thread while
+            # bucket k is on the wire (the conversion would otherwise serialise with it).
+            with Prefetch(self._on_device(pending), depth=1) as rest:
+                for bucket in itertools.chain([self._to_device(first)], rest):
+                    self._send_bucket(group, bucket, version)
+                    report.buckets += 1
         except BaseException as exc:
             error = exc
             self._drop_group()
@@ -191,8 +197,16 @@ class DistributedWeightSync:
         report.seconds = time.perf_counter() - start
         return report
 
+    def _to_device(self, bucket: Bucket) -> Bucket:
+        bucket.tensors = [t.to(self.device) for t in bucket.tensors]
+        return bucket
+
+    def _on_device(self, pending: Iterator[Bucket]) -> Iterator[Bucket]:
+        for bucket in pending:
+            yield self._to_device(bucket)
+
     def _send_bucket(self, group: WeightUpdateGroup, bucket: Bucket, version: str) -> None:
-        tensors = [t.to(self.device, non_blocking=True) for t in bucket.tensors]
+        tensors = bucket.tensors
         request = self.loop.submit(
             _gather(
                 c.update_weights_from_distributed(
@@ -290,9 +304,11 @@ def _run_beside(fn, request: Future, timeout_s: float, *, what: str):  # type: i
         if request.done() and request.exception() is not None:
             raise WeightSyncError(f"{what} failed: {request.exception()}") from request.exception()
         if time.monotonic() > deadline:
+            request.cancel()
             raise WeightSyncError(f"{what}: the servers did not join within {timeout_s}s")
         thread.join(0.01)
     if "error" in result:
+        request.cancel()
         raise WeightSyncError(
             f"{what}: building the trainer's end failed: {result['error']}"
         ) from result["error"]  # type: ignore[arg-type]

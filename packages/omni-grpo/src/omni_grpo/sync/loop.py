@@ -10,8 +10,9 @@ httpx connection pools alive across steps, which ``asyncio.run`` per call would 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -48,3 +49,58 @@ class BackgroundLoop:
         self._thread.join(timeout=10)
         if not self._loop.is_running():
             self._loop.close()
+
+
+_DONE = object()
+
+
+class Prefetch:
+    """Run an iterator ``depth`` items ahead on a helper thread (torch ops release the GIL).
+
+    Errors raised by the source are re-raised in the consumer at the point they occurred. Use as a
+    context manager: leaving early stops the producer after its current item.
+    """
+
+    def __init__(self, source: Iterator[T], depth: int = 1) -> None:
+        self._source = source
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._produce, name="omni-grpo-prefetch", daemon=True
+        )
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self) -> None:
+        try:
+            for item in self._source:
+                if not self._put((item, None)):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._put((None, exc))
+            return
+        self._put((_DONE, None))
+
+    def __enter__(self) -> Iterator[T]:
+        self._thread.start()
+        return self._consume()
+
+    def _consume(self) -> Iterator[T]:
+        while True:
+            item, exc = self._queue.get()
+            if exc is not None:
+                raise exc
+            if item is _DONE:
+                return
+            yield item  # type: ignore[misc]
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)

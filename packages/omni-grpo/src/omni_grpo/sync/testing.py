@@ -79,6 +79,7 @@ def _receiver_main(
     port: int,
     group_name: str,
     backend: str,
+    save: bool = True,
 ) -> None:
     store = join_store(addr, port, world, 120)
     group = build_group(
@@ -101,7 +102,11 @@ def _receiver_main(
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             group.broadcast(t, src=0).wait()
-            got[name] = t.cpu()
+            got[name] = t.cpu() if save else t
+        if not save:  # benchmarks: receive only, record that the bucket arrived
+            (rank_dir / f"bucket{k:04d}.json").write_text(json.dumps({"names": names}))
+            k += 1
+            continue
         save_file(got, str(rank_dir / f"bucket{k:04d}.safetensors"))
         (rank_dir / f"bucket{k:04d}.json").write_text(
             json.dumps({"names": names, "dtypes": dtypes, "shapes": shapes})
@@ -113,8 +118,11 @@ def _receiver_main(
 class ServerSideReceivers:
     """Watch fake servers' admin logs; run one receiver process per thinker TP rank (see module doc)."""
 
-    def __init__(self, servers: list[Any], out_dir: Path, backend: str = "gloo") -> None:
+    def __init__(
+        self, servers: list[Any], out_dir: Path, backend: str = "gloo", *, save: bool = True
+    ) -> None:
         self.servers = servers
+        self.save = save
         self.out_dir = Path(out_dir)
         self.backend = backend
         # forkserver: children fork from one server process that imported torch once (a fresh
@@ -176,6 +184,7 @@ class ServerSideReceivers:
                         payload["master_port"],
                         payload["group_name"],
                         payload.get("backend", self.backend),
+                        self.save,
                     ),
                     daemon=True,
                 )
