@@ -99,9 +99,17 @@ def main() -> None:
 
     t_ours, med_ours, (pos, delta) = timed(ours, args.repeats, args.device)
     t_ref, med_ref, (rpos, rdelta) = timed(ref, max(5, args.repeats // 4), args.device)
-    assert torch.equal(pos, rpos) and torch.equal(delta, rdelta), (
-        "results differ from the reference"
-    )
+    assert torch.equal(pos, rpos) and torch.equal(delta, rdelta), "differs from the reference"
+    extra = {}
+    if args.device != "cpu":
+        # Small accelerator batches run on the host by default; time the all-on-device path too.
+        import omni_rope.positions as core
+
+        saved, core.HOST_MAX_TOKENS = core.HOST_MAX_TOKENS, 0
+        t_dev, _, (dpos, ddelta) = timed(ours, args.repeats, args.device)
+        core.HOST_MAX_TOKENS = saved
+        assert torch.equal(dpos, rpos) and torch.equal(ddelta, rdelta), "on-device results differ"
+        extra = {"omni_rope_on_device_ms": round(t_dev * 1e3, 3)}
     print(
         json.dumps(
             {
@@ -119,6 +127,7 @@ def main() -> None:
                 "reference_median_ms": round(med_ref * 1e3, 3),
                 "speedup_median": round(med_ref / med_ours, 1),
                 "identical": True,
+                **extra,
             }
         )
     )

@@ -108,16 +108,20 @@ def test_text_only_and_audio_only_batches_match_reference(rope_config, reference
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("host_max_tokens", [0, 1 << 17], ids=["on-device", "host-offload"])
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
-def test_cuda_matches_cpu(data, rope_config):
+def test_cuda_matches_cpu(data, rope_config, host_max_tokens, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import omni_rope.positions
+
+    monkeypatch.setattr(omni_rope.positions, "HOST_MAX_TOKENS", host_max_tokens)
     b = data.draw(batches(rope_config))
     cpu = get_rope_index(b.input_ids, b.attention_mask, rope_config, **b.kwargs())
     kw = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in b.kwargs().items()}
     gpu = get_rope_index(b.input_ids.cuda(), b.attention_mask.cuda(), rope_config, **kw)
-    assert gpu[0].device.type == "cuda"
+    assert gpu[0].device.type == "cuda" and gpu[1].device.type == "cuda"
     assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())

@@ -47,6 +47,8 @@ IMAGE, VIDEO, AIV, AUDIO = range(4)
 SEGMENT_NAMES = {IMAGE: "image", VIDEO: "video", AIV: "audio-in-video", AUDIO: "audio"}
 # Piece roles inside a row: text before a segment, its start marker(s), body, end marker(s).
 R_TEXT, R_BOS, R_BODY, R_EOS = range(4)
+# Batches up to this many token slots on an accelerator are computed on the host (see get_rope_index).
+HOST_MAX_TOKENS = 1 << 17
 ANY_AV = -1  # expected kind "video or audio placeholder" (interleaved body)
 # Expected token kind per (role, segment kind, offset within a 2-token marker pair).
 EXPECTED_KIND: dict[tuple[int, int], tuple[int, int]] = {
@@ -89,6 +91,24 @@ def get_rope_index(
     As in the reference, the 3-D rule runs only when ``image_grid_thw`` or ``video_grid_thw`` is
     given; otherwise positions are ``cumsum(mask) - 1`` with padding at 1.
     """
+    if input_ids.device.type != "cpu" and input_ids.numel() <= HOST_MAX_TOKENS:
+        # Small batches are a few hundred tiny ops: on an accelerator their launches and syncs cost
+        # more than the work, so run them on the host and ship the result back (same float32 ops,
+        # same bits; the CUDA test checks it).
+        def host(x: Any) -> Any:
+            return x.cpu() if isinstance(x, torch.Tensor) else x
+
+        pos, deltas = get_rope_index(
+            input_ids.cpu(),
+            host(attention_mask),
+            config,
+            image_grid_thw=host(image_grid_thw),
+            video_grid_thw=host(video_grid_thw),
+            second_per_grids=host(second_per_grids),
+            audio_seqlens=host(audio_seqlens),
+            use_audio_in_video=use_audio_in_video,
+        )
+        return pos.to(input_ids.device), deltas.to(input_ids.device)
     input_ids, mask = _check_ids_and_mask(input_ids, attention_mask)
     flat = _Flat.build(input_ids, mask, config)
     media = _Media.build(
