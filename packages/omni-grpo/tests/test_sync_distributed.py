@@ -8,6 +8,7 @@ received tensor is compared bit-exactly with the reference computed from the hub
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,104 @@ def test_failed_distributed_update_continues_and_raises(
                 sync.close()
         assert not rx.errors
         _assert_bit_exact(rx.received(final_group)[1], expected_server_tensors(tiny_omni_dir))
+
+
+def test_router_only_config_finds_workers_and_syncs_with_admin_key(
+    tmp_path: Path, tiny_omni_dir: Path, thinker_state
+) -> None:
+    """Only ``router_url`` configured: the workers are discovered through ``/workers`` and each
+    is called directly (the router refuses multi-worker group init); the admin key is sent."""
+    from omni_rollout_client.testing import FakeOmniRouter
+
+    key = "s3cret"
+    with (
+        FakeOmniServer(admin_api_key=key) as a,
+        FakeOmniServer(admin_api_key=key) as b,
+        FakeOmniRouter([a.url, b.url], admin_api_key=key) as router,
+    ):
+        cfg = SglangOmniConfig(router_url=router.url, admin_api_key=key, sync_mode="distributed")
+        sync = make_weight_sync(cfg, run_dir=tmp_path, backend="gloo")
+        assert sorted(c.base_url for c in sync.clients) == sorted([a.url, b.url])
+        with ServerSideReceivers([a, b], tmp_path / "recv") as rx:
+            try:
+                sync.push(thinker_state, "r1")
+                group = sync.group.group_name
+            finally:
+                sync.close()
+        assert not rx.errors
+        received = rx.received(group)
+        assert sorted(received) == [1, 2]
+        expected = expected_server_tensors(tiny_omni_dir)
+        for got in received.values():
+            _assert_bit_exact(got, expected)
+        assert a.weight_version == b.weight_version == "r1"
+
+
+def test_bad_name_in_a_later_bucket_resumes_servers_and_keeps_version(
+    tmp_path: Path, thinker_state
+) -> None:
+    """An export iterator that yields an unmapped name mid-way: earlier buckets went out, so the
+    error is raised after continue_generation, and the version is never bumped."""
+
+    def export():
+        yield from thinker_state.items()
+        yield "model.language_model.layers.0.mlp.shared_expert.up_proj.weight", torch.zeros(4, 4)
+
+    with FakeOmniServer() as server:
+        cfg = SglangOmniConfig(urls=[server.url], sync_mode="distributed")
+        sync = make_weight_sync(cfg, run_dir=tmp_path, backend="gloo", bucket_bytes=64 << 10)
+        with ServerSideReceivers([server], tmp_path / "recv"):
+            try:
+                with pytest.raises(WeightSyncError, match="shared_expert"):
+                    sync.push(export(), "never")
+            finally:
+                sync.close()
+        routes = [r for r, _ in server.admin_log]
+        assert "/update_weights_from_distributed" in routes
+        assert routes[routes.index("/pause_generation") :].count("/continue_generation") == 1
+        updates = [p for r, p in server.admin_log if r == "/update_weights_from_distributed"]
+        assert all(u.get("weight_version") is None and not u.get("flush_cache") for u in updates)
+        assert server.weight_version == "default" and not server.engine_paused
+
+
+def test_distributed_update_with_a_request_in_flight_pauses_with_retract(
+    tmp_path: Path, thinker_state
+) -> None:
+    from omni_grpo.sync.loop import BackgroundLoop
+    from omni_rollout_client.client import OmniRolloutClient
+    from omni_rollout_client.testing import FakeGeneration, FakeRequest
+
+    def long_generation(req: FakeRequest) -> FakeGeneration:
+        return FakeGeneration(
+            token_ids=[7] * req.max_new_tokens, logprobs=[-0.5] * req.max_new_tokens
+        )
+
+    with FakeOmniServer(token_delay_s=0.05, generator=long_generation) as server:
+        loop = BackgroundLoop()
+        client = OmniRolloutClient(server.url)
+        cfg = SglangOmniConfig(urls=[server.url], sync_mode="distributed")
+        sync = make_weight_sync(cfg, run_dir=tmp_path, backend="gloo", loop=loop)
+        try:
+            with ServerSideReceivers([server], tmp_path / "recv") as rx:
+                inflight = loop.submit(
+                    client.generate(
+                        [1, 2, 3], {"temperature": 1.0, "max_new_tokens": 60, "seed": 1}
+                    )
+                )
+                while server.active_count() == 0:
+                    time.sleep(0.01)
+                sync.push(thinker_state, "live")
+                assert inflight.result(30).weight_version == "live"
+                sync.close()
+            assert not rx.errors
+        finally:
+            loop.run(client.aclose())
+            loop.close()
+        log = server.admin_log
+        first_update = next(
+            i for i, (r, _) in enumerate(log) if r == "/update_weights_from_distributed"
+        )
+        assert (
+            log[first_update - 1][0] == "/pause_generation"
+            and log[first_update - 1][1]["mode"] == "retract"
+        )
