@@ -183,3 +183,28 @@ def test_bare_vl_object_carries_the_omni_rope_override(root):
     thinker.rope_handle.remove()
     with pytest.raises(ValueError, match="mm_token_type_ids"):  # plain VL: no Omni rope
         thinker.vl(**batch)
+
+
+def test_tower_straight_from_the_omni_checkpoint(root, tiny_omni_dir):
+    """``audio_dir`` may be the Omni checkpoint itself (only ``thinker.audio_tower.*`` is read)."""
+    from_extract = load_thinker(root / "vl", dtype="float32")
+    from_omni = load_thinker(root / "vl", audio_dir=tiny_omni_dir, dtype="float32")
+    batch = _batch(from_extract)
+    with torch.no_grad():
+        assert torch.equal(from_extract(**batch).logits, from_omni(**batch).logits)
+
+
+def test_activation_checkpointing_keeps_loss_and_grads(root):
+    plain = load_thinker(root / "vl", dtype="float32").train()
+    ckpt = load_thinker(root / "vl", dtype="float32").train()
+    ckpt.gradient_checkpointing_enable()
+    assert ckpt.vl.is_gradient_checkpointing and not plain.vl.is_gradient_checkpointing
+    batch = _batch(plain)
+    losses = []
+    for model in (plain, ckpt):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    g0 = plain.lm_head.weight.grad
+    assert torch.allclose(g0, ckpt.lm_head.weight.grad, atol=1e-6)

@@ -271,6 +271,11 @@ class OmniThinker(nn.Module):
             )
             param.requires_grad_(not frozen)
 
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        """Activation checkpointing of the decoder layers (delegates to the VL model)."""
+        enable = getattr(self._vl, "activation_checkpointing_enable", None)
+        (enable or self._vl.gradient_checkpointing_enable)(**kwargs)
+
     def save_pretrained(self, dst: str | Path, **kwargs: Any) -> Path:
         """Write a ``vl``-layout checkpoint that :func:`load_thinker` reloads (atomically).
 
