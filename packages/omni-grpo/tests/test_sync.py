@@ -271,3 +271,19 @@ def test_skip_sync_logs_once_and_sends_nothing(
         sync.push(thinker_state, "1")
         sync.push(thinker_state, "2")
     assert sum("weight sync is 'skip'" in r.message for r in caplog.records) == 1
+
+
+def test_pause_refused_by_one_server_resumes_the_others(tmp_path: Path, thinker_state) -> None:
+    with FakeOmniServer() as a, FakeOmniServer() as b:
+        cfg = SglangOmniConfig(urls=[a.url, b.url], sync_mode="disk")
+        sync = make_weight_sync(cfg, run_dir=tmp_path)
+        b.faults.fail_next(1, status=400, route="/pause_generation")
+        try:
+            with pytest.raises(WeightSyncError):
+                sync.push(thinker_state, "p1")
+        finally:
+            sync.close()
+        for server in (a, b):
+            assert _routes(server)[-1] == "/continue_generation"
+            assert "/update_weights_from_disk" not in _routes(server)
+            assert not server.engine_paused and server.weight_version == "default"

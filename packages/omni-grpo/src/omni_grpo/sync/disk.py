@@ -103,9 +103,12 @@ class DiskWeightSync:
             skipped_tower_tensors=source.skipped_towers,
             buckets=1,
         )
-        self.loop.run(_gather(c.pause_generation("retract") for c in self.clients), self.timeout_s)
         error: BaseException | None = None
         try:
+            # Inside the try: if one server fails to pause, the others are resumed again.
+            self.loop.run(
+                _gather(c.pause_generation("retract") for c in self.clients), self.timeout_s
+            )
             self.loop.run(
                 _gather(
                     c.update_weights_from_disk(str(dst), weight_version=version, flush_cache=True)

@@ -100,6 +100,9 @@ class DistributedWeightSync:
         if device is None:
             device = "cuda" if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Pinned now: buckets are moved on a helper thread, whose current device may differ.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.verify = verify
         self._group: WeightUpdateGroup | None = None
         self._generation = 0
@@ -176,9 +179,12 @@ class DistributedWeightSync:
         report = SyncReport(
             version=version, mode=self.mode, servers=[c.base_url for c in self.clients]
         )
-        self.loop.run(_gather(c.pause_generation("retract") for c in self.clients), self.timeout_s)
         error: BaseException | None = None
         try:
+            # Inside the try: if one server fails to pause, the others are resumed again.
+            self.loop.run(
+                _gather(c.pause_generation("retract") for c in self.clients), self.timeout_s
+            )
             # Bucket k+1 is renamed, transposed and moved to the device on a helper thread while
             # bucket k is on the wire (the conversion would otherwise serialise with it).
             with Prefetch(self._on_device(pending), depth=1) as rest:
