@@ -287,3 +287,19 @@ def test_pause_refused_by_one_server_resumes_the_others(tmp_path: Path, thinker_
             assert _routes(server)[-1] == "/continue_generation"
             assert "/update_weights_from_disk" not in _routes(server)
             assert not server.engine_paused and server.weight_version == "default"
+
+
+def test_prefetch_keeps_order_and_reraises_source_errors() -> None:
+    from omni_grpo.sync.loop import Prefetch
+
+    with Prefetch(iter(range(5)), depth=2) as it:
+        assert list(it) == [0, 1, 2, 3, 4]
+
+    def failing():
+        yield 1
+        raise UnmappedTensorError("bad name 'x'")
+
+    with Prefetch(failing()) as it, pytest.raises(UnmappedTensorError, match="bad name"):
+        list(it)
+    with Prefetch(iter(range(10**6))) as it:  # leaving early stops the producer
+        assert next(it) == 0
