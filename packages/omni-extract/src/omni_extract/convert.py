@@ -25,13 +25,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Queue
 
 import torch
 
 from omni_extract import configs
 from omni_extract.artifacts import copy_processor_artifacts
 from omni_extract.errors import DestinationExistsError, ExtractError
-from omni_extract.kernels import pread_into, transpose_into
+from omni_extract.kernels import pread_into, scratch, transpose_into
 from omni_extract.plan import (
     DtypeChoice,
     ExtractionPlan,
@@ -111,19 +112,25 @@ class _Inputs:
         self._fds.clear()
 
 
-def _fused_block(out: OutputTensor, by_part: dict, expert: int, inputs: _Inputs) -> torch.Tensor:
+def _fused_block(
+    out: OutputTensor, by_part: dict, expert: int, inputs: _Inputs, blocks: Queue[torch.Tensor]
+) -> torch.Tensor:
     """One expert's contiguous block of a fused tensor, in the VL hub layout.
 
     gate_up [E, H, 2I]: block [H, 2I] = (gate_e.T | up_e.T); down [E, I, H]: block = down_e.T.
     """
-    block = torch.empty(out.shape[1:], dtype=out.dtype)
+    block = blocks.get()
     if out.fused == "down":
-        transpose_into(block, inputs.read(by_part[expert, "down"]))
+        transpose_into(block, _read_scratch(inputs, by_part[expert, "down"]))
     else:
         half = out.shape[2] // 2
-        transpose_into(block[:, :half], inputs.read(by_part[expert, "gate"]))
-        transpose_into(block[:, half:], inputs.read(by_part[expert, "up"]))
+        transpose_into(block[:, :half], _read_scratch(inputs, by_part[expert, "gate"]))
+        transpose_into(block[:, half:], _read_scratch(inputs, by_part[expert, "up"]))
     return block
+
+
+def _read_scratch(inputs: _Inputs, src: SourceTensor) -> torch.Tensor:
+    return inputs.read(src, scratch("read", src.shape, src.dtype))
 
 
 def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadPoolExecutor) -> int:
@@ -141,13 +148,22 @@ def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadP
     # thread writes the current one; at most ``depth`` blocks exist at a time.
     by_part = {(expert, part): src for src, expert, part in out.parts}
     depth = pool._max_workers + 1
+    blocks: Queue[torch.Tensor] = Queue()
+    for _ in range(depth):  # reused block buffers: fresh ones would page-fault on every expert
+        blocks.put(torch.empty(out.shape[1:], dtype=out.dtype))
     pending: deque[Future[torch.Tensor]] = deque()
+
+    def flush_one() -> None:
+        block = pending.popleft().result()
+        writer.append(tensor_bytes(block))
+        blocks.put(block)
+
     for expert in range(out.shape[0]):
-        pending.append(pool.submit(_fused_block, out, by_part, expert, inputs))
+        pending.append(pool.submit(_fused_block, out, by_part, expert, inputs, blocks))
         if len(pending) >= depth:
-            writer.append(tensor_bytes(pending.popleft().result()))
+            flush_one()
     while pending:
-        writer.append(tensor_bytes(pending.popleft().result()))
+        flush_one()
     return writer.end()
 
 

@@ -6,11 +6,15 @@ than a memcpy. ``transpose_into`` instead (1) transposes WIDE words — the sour
 integers, i.e. 4 bf16 columns at a time, in row bands that stay in cache — and then (2) splits
 each word back into its columns, which is a cache-friendly gather with a small stride. Bits are
 moved as integers, so bf16 needs no numpy float type and values are bit-exact.
+
+Scratch buffers are reused per thread (``scratch``): a fresh multi-megabyte allocation per expert
+matrix costs a page fault per 4 KiB and was measured to slow the transpose down several times.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import torch
@@ -18,6 +22,20 @@ import torch
 TRANSPOSE_BAND = 64
 WORD_BYTES = 8
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_local = threading.local()
+
+
+def scratch(tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread reusable buffer (contents undefined), one per ``(tag, shape, dtype)``."""
+    cache: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor]
+    cache = _local.__dict__.setdefault("buffers", {})
+    key = (tag, tuple(shape), dtype)
+    buf = cache.get(key)
+    if buf is None:
+        if len(cache) > 16:  # shapes change per model part; keep the cache small
+            cache.clear()
+        buf = cache[key] = torch.empty(shape, dtype=dtype)
+    return buf
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -52,7 +70,7 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     if k <= 1 or cols % k or d.strides[1] != s.itemsize:
         _banded_transpose(d, s)
         return
-    words = np.empty((cols // k, rows), dtype=np.int64)
+    words = scratch("words", (cols // k, rows), torch.int64).numpy()
     _banded_transpose(words, s.view(np.int64))  # [C/k, R] words; word (j, r) = s[r, j*k : j*k+k]
     split = words.view(s.dtype).reshape(cols // k, rows, k)
     out = np.lib.stride_tricks.as_strided(
