@@ -51,7 +51,11 @@ def _is_audio(name: str) -> bool:
 
 
 def test_training_step_leaves_the_tower_alone(root):
-    thinker = load_thinker(root / "vl", dtype="float32").train()
+    thinker = load_thinker(root / "vl", dtype="float32")
+    assert not thinker.training and not thinker.vl.training
+    thinker.train()
+    assert thinker.vl.training and thinker.model.training
+    assert not thinker.audio.tower.module("cpu", torch.float32).training
     batch = _batch(thinker)
     optimizer = torch.optim.AdamW(thinker.trainable_parameters(), lr=1e-3)
     loss = thinker(**batch).loss

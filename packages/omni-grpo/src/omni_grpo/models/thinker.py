@@ -80,6 +80,12 @@ class OmniThinker(nn.Module):
         """The HF ``Qwen3VLMoeForConditionalGeneration`` sharing this module's parameters."""
         return self._vl
 
+    def train(self, mode: bool = True) -> OmniThinker:
+        """Also flips the VL wrapper's own flag (it is not a child, so ``nn.Module.train`` misses it)."""
+        super().train(mode)
+        self._vl.training = mode
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
