@@ -4,8 +4,11 @@
   (omni-rope) + the frozen audio tower (omni-audio-inject).
 * :class:`OmniThinker` — its forward takes the Omni thinker's inputs and returns ``.logits``;
   helpers for the trainer: ``trainable_parameter_names()``, ``sync_state_dict()``,
-  ``save_pretrained()``; KV-cached decoding via ``forward(..., cache=...)`` and
-  :func:`generate`.
+  ``save_pretrained()``, ``gradient_checkpointing_enable()``; KV-cached decoding via
+  ``forward(..., cache=...)`` (positions continue from the prefill's rope deltas) or
+  ``OmniThinker.generate`` (:mod:`omni_grpo.models.generation`: token ids + per-token logprobs).
+* :mod:`omni_grpo.models.testing` — hand-built Omni batches (placeholders expanded like the
+  processor) for tests and benchmarks.
 """
 
 from omni_grpo.models.loader import load_thinker
