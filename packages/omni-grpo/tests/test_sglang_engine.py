@@ -232,3 +232,57 @@ def test_preflight_names_the_unreachable_server() -> None:
             engine.preflight()
     finally:
         engine.close()
+
+
+def test_sampled_media_markers_are_rerolled_not_kept() -> None:
+    marker, eos = 900, VOCAB - 1
+    prompt = make_prompt("m", seed=6)
+
+    def marker_once(req: FakeRequest) -> FakeGeneration:
+        assert marker in req.stop_token_ids  # the server stops right at a marker
+        if len(req.input_ids) == len(prompt.input_ids):  # first segment: a marker after one token
+            return FakeGeneration(token_ids=[5, marker], logprobs=[-0.1, -0.2])
+        return FakeGeneration(token_ids=[6, 7, eos], logprobs=[-0.3, -0.4, -0.5])
+
+    with FakeOmniServer(vocab_size=VOCAB, generator=marker_once) as server:
+        engine = SglangOmniEngine(
+            SglangOmniConfig(urls=[server.url]), vocab_size=VOCAB, banned_token_ids=[marker, 901]
+        )
+        try:
+            (group,) = engine.generate(
+                [prompt], 2, SamplingConfig(temperature=1.0, max_new_tokens=8, seed=3)
+            )
+        finally:
+            engine.close()
+        records = server.records
+    for c in group:
+        assert c.token_ids == [5, 6, 7, eos] and c.logprobs == [-0.1, -0.3, -0.4, -0.5]
+        assert c.finish_reason == "stop"
+    conts = [r for r in records if len(r.input_ids) > len(prompt.input_ids)]
+    assert len(conts) == 2 and all(r.input_ids == prompt.input_ids + [5] for r in conts)
+    assert all(r.sampling["max_new_tokens"] == 7 for r in conts)
+    assert len({r.sampling["seed"] for r in records}) == 4  # fresh seeds for the rerolls
+    assert engine.banned_rerolls == 2
+
+
+def test_a_sample_that_keeps_sampling_markers_ends_as_abort() -> None:
+    marker = 900
+
+    def always_marker(req: FakeRequest) -> FakeGeneration:
+        return FakeGeneration(token_ids=[5, marker], logprobs=[-0.1, -0.2])
+
+    with FakeOmniServer(vocab_size=VOCAB, generator=always_marker) as server:
+        engine = SglangOmniEngine(
+            SglangOmniConfig(urls=[server.url]),
+            vocab_size=VOCAB,
+            banned_token_ids=[marker],
+            max_rerolls=2,
+        )
+        try:
+            (group,) = engine.generate(
+                [make_prompt("k")], 1, SamplingConfig(temperature=1.0, max_new_tokens=10)
+            )
+        finally:
+            engine.close()
+    (c,) = group
+    assert c.token_ids == [5, 5, 5] and c.finish_reason == "abort" and marker not in c.token_ids

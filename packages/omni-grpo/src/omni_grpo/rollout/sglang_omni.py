@@ -16,6 +16,9 @@ adapter that turns ``PromptInputs`` into requests and responses into ``Completio
 * Samples the server finished with ``abort`` are resumed (prompt + generated ids, remaining
   budget) up to ``max_resumes`` times; the completion's ``weight_version`` is that of its last
   segment.
+* Media marker tokens (``banned_token_ids``, from the trainer) cannot be masked server-side:
+  generation stops at a sampled marker and the sample is continued from just before it with a
+  fresh seed (rejection = sampling with the markers masked, as the embedded engine does).
 * If anything fails mid-rollout, every server gets abort-all (``pause(abort)`` + ``continue``:
   sglang-omni has no ``/abort_request``) so no orphaned requests keep the servers busy, and the
   error is raised — a group is never returned short.
@@ -24,6 +27,7 @@ adapter that turns ``PromptInputs`` into requests and responses into ``Completio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +35,7 @@ from typing import Any
 
 from omni_rollout_client.client import ModelInfo, OmniRolloutClient, Timeouts
 from omni_rollout_client.payload import BF16_CASTABLE, PreparedPrompt
-from omni_rollout_client.result import GenerateResult
+from omni_rollout_client.result import GenerateResult, concat_results
 from omni_rollout_client.sampling import filter_sampling_params
 
 from omni_grpo.sync.loop import BackgroundLoop
@@ -112,6 +116,8 @@ class SglangOmniEngine:
         loop: BackgroundLoop | None = None,
         clients: Sequence[OmniRolloutClient] | None = None,
         decode_fn: Callable[[list[int]], str] | None = None,
+        banned_token_ids: Sequence[int] | None = None,
+        max_rerolls: int = 8,
     ) -> None:
         if not (cfg.urls or cfg.router_url) and clients is None:
             raise ValueError("rollout.sglang: set urls (worker URLs) or router_url")
@@ -128,6 +134,10 @@ class SglangOmniEngine:
         # server's ``text``: a resumed sample's text would otherwise be two separately decoded
         # segments, which can split a multi-byte character at the seam.
         self.decode_fn = decode_fn
+        # Media marker ids a completion must not contain (see ``_reroll_banned``).
+        self.banned = frozenset(int(t) for t in banned_token_ids or ())
+        self.max_rerolls = max_rerolls
+        self.banned_rerolls = 0
         self._ready = False
         self.last_weight_versions: set[str] = set()
 
@@ -138,12 +148,18 @@ class SglangOmniEngine:
         *,
         vocab_size: int | None = None,
         decode_fn: Callable[[list[int]], str] | None = None,
+        banned_token_ids: Sequence[int] | None = None,
         **_context: Any,
     ) -> SglangOmniEngine:
         """Registry hook (``omni_grpo.rollout.create_engine``): server settings from
         ``cfg.sglang``; the trainer's tokenizer (``decode_fn``) and ``vocab_size``. The in-process
         context (policy module, device) does not apply to a remote engine."""
-        return cls(cfg.sglang, vocab_size=vocab_size, decode_fn=decode_fn)
+        return cls(
+            cfg.sglang,
+            vocab_size=vocab_size,
+            decode_fn=decode_fn,
+            banned_token_ids=banned_token_ids,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,6 +224,9 @@ class SglangOmniEngine:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         params = sampling_params(sampling)  # fails before anything is sent
+        if self.banned:
+            # Stop as soon as a media marker is sampled (it is rerolled below, not kept).
+            params["stop_token_ids"] = sorted(set(params.get("stop_token_ids", [])) | self.banned)
         seed = _seed_of(sampling)
         prepared = [self.prepare(p) for p in prompts]  # encoding errors also fail before sending
         if not self._ready:
@@ -247,18 +266,92 @@ class SglangOmniEngine:
         async with asyncio.TaskGroup() as tg:
             tasks = [
                 tg.create_task(
-                    self.clients[i % len(self.clients)].generate_group(
-                        prep,
-                        n,
-                        params,
-                        seeds=sample_seeds(seed, prompt.sample.uid, n),
-                        metadata={"omni_grpo_uid": prompt.sample.uid},
-                        max_resumes=self.max_resumes,
-                    )
+                    self._group(self.clients[i % len(self.clients)], prompt, prep, n, params, seed)
                 )
                 for i, (prompt, prep) in enumerate(zip(prompts, prepared, strict=True))
             ]
         return [t.result() for t in tasks]
+
+    async def _group(
+        self,
+        client: OmniRolloutClient,
+        prompt: PromptInputs,
+        prep: PreparedPrompt,
+        n: int,
+        params: dict[str, Any],
+        seed: int | None,
+    ) -> list[GenerateResult]:
+        seeds = sample_seeds(seed, prompt.sample.uid, n)
+        metadata = {"omni_grpo_uid": prompt.sample.uid}
+        group = await client.generate_group(
+            prep, n, params, seeds=seeds, metadata=metadata, max_resumes=self.max_resumes
+        )
+        if not self.banned:
+            return group
+        return list(
+            await asyncio.gather(
+                *(
+                    self._reroll_banned(
+                        client, prep, r, params, None if seeds is None else seeds[i], metadata
+                    )
+                    for i, r in enumerate(group)
+                )
+            )
+        )
+
+    async def _reroll_banned(
+        self,
+        client: OmniRolloutClient,
+        prep: PreparedPrompt,
+        result: GenerateResult,
+        params: dict[str, Any],
+        seed: int | None,
+        metadata: dict[str, Any],
+    ) -> GenerateResult:
+        """Resample past any media marker the server sampled (it cannot mask logits for us).
+
+        A marker in a completion would make the trainer's recompute look for media that does not
+        exist. The sample is cut just before the marker and continued from there (same prompt
+        bundle, remaining budget, a fresh seed): sampling again at that position until a
+        non-marker token comes is exactly sampling from the distribution with markers masked,
+        which is what the embedded engine does, and every kept logprob is still the server's
+        full-vocabulary logprob of that token. After ``max_rerolls`` the sample ends at the cut
+        with ``finish_reason="abort"`` (never an empty or marker-bearing completion is hidden).
+        """
+        for attempt in range(1, self.max_rerolls + 1):
+            cut = next((i for i, t in enumerate(result.token_ids) if t in self.banned), None)
+            if cut is None:
+                return result
+            self.banned_rerolls += 1
+            partial = dataclasses.replace(
+                result,
+                token_ids=result.token_ids[:cut],
+                logprobs=result.logprobs[:cut],
+                completion_tokens=cut,
+                text="",
+            )
+            budget = dict(params, max_new_tokens=params["max_new_tokens"] - cut)
+            if seed is not None:
+                budget["seed"] = (seed + 7919 * attempt) % SEED_MODULUS
+            continuation = await client.generate(
+                prep.continued(partial.token_ids), budget, metadata=metadata
+            )
+            result = concat_results(partial, continuation)
+        cut = next((i for i, t in enumerate(result.token_ids) if t in self.banned), None)
+        if cut is None:
+            return result
+        log.warning(
+            "a sample kept sampling media markers after %d rerolls; cut at %d tokens",
+            self.max_rerolls,
+            cut,
+        )
+        return dataclasses.replace(
+            result,
+            token_ids=result.token_ids[:cut],
+            logprobs=result.logprobs[:cut],
+            completion_tokens=cut,
+            finish_reason="abort",
+        )
 
     def _completion(self, prompt: PromptInputs, r: GenerateResult) -> Completion:
         if len(r.token_ids) != len(r.logprobs):
