@@ -253,7 +253,7 @@ class TorchBackend:
             logp = self._token_logp(self.model, mb, 1.0)
             loss = -logp[mb.mask.to(self.device)].sum() / total_tokens
             loss.backward()
-            nll_sum += float(loss) * total_tokens
+            nll_sum += float(loss.detach()) * total_tokens
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         if math.isfinite(norm):
             self.optimizer.step()
