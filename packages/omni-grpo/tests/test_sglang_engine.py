@@ -286,3 +286,20 @@ def test_a_sample_that_keeps_sampling_markers_ends_as_abort() -> None:
             engine.close()
     (c,) = group
     assert c.token_ids == [5, 5, 5] and c.finish_reason == "abort" and marker not in c.token_ids
+
+
+def test_groups_spread_over_worker_urls_across_calls() -> None:
+    with (
+        FakeOmniServer(vocab_size=VOCAB, generator=oracle) as a,
+        FakeOmniServer(vocab_size=VOCAB, generator=oracle) as b,
+    ):
+        engine = SglangOmniEngine(SglangOmniConfig(urls=[a.url, b.url]), vocab_size=VOCAB)
+        try:
+            for step in range(2):  # one prompt per call: the second call goes to the second server
+                engine.generate(
+                    [make_prompt(f"s{step}")], 2, SamplingConfig(temperature=1.0, max_new_tokens=4)
+                )
+        finally:
+            engine.close()
+        assert [r.metadata["omni_grpo_uid"] for r in a.records] == ["s0", "s0"]
+        assert [r.metadata["omni_grpo_uid"] for r in b.records] == ["s1", "s1"]

@@ -138,6 +138,7 @@ class SglangOmniEngine:
         self.banned = frozenset(int(t) for t in banned_token_ids or ())
         self.max_rerolls = max_rerolls
         self.banned_rerolls = 0
+        self._next_client = 0
         self._ready = False
         self.last_weight_versions: set[str] = set()
 
@@ -263,10 +264,15 @@ class SglangOmniEngine:
         params: dict[str, Any],
         seed: int | None,
     ) -> list[list[GenerateResult]]:
+        # Groups go round-robin over the servers, continuing across calls (a step with fewer
+        # prompts than servers must not always land on the first ones).
+        start, self._next_client = self._next_client, self._next_client + len(prompts)
         async with asyncio.TaskGroup() as tg:
             tasks = [
                 tg.create_task(
-                    self._group(self.clients[i % len(self.clients)], prompt, prep, n, params, seed)
+                    self._group(
+                        self.clients[(start + i) % len(self.clients)], prompt, prep, n, params, seed
+                    )
                 )
                 for i, (prompt, prep) in enumerate(zip(prompts, prepared, strict=True))
             ]
