@@ -43,7 +43,8 @@ class TowerSource:
     tensors: dict[str, tuple[Path, str]]
 
 
-def _audio_config(root: Path) -> dict[str, Any]:
+def audio_config_of(root: Path) -> dict[str, Any]:
+    """The audio-encoder config dict found in ``root`` (see ``CONFIG_PATHS``)."""
     tried = []
     for name in CONFIG_FILES:
         path = root / name
@@ -90,7 +91,7 @@ def locate_tower(root: str | Path, expected_keys: set[str]) -> TowerSource:
     root = Path(root)
     if not root.is_dir():
         raise MissingAudioTowerError(f"audio tower directory {root} does not exist")
-    config = _audio_config(root)
+    config = audio_config_of(root)
     stored = _stored_keys(root)
     if not stored:
         raise MissingAudioTowerError(f"no safetensors weights in {root} (audio tower missing)")

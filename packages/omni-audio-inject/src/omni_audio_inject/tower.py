@@ -21,7 +21,7 @@ from torch import nn
 
 from omni_audio_inject.errors import AudioInjectError
 from omni_audio_inject.lengths import audio_output_lengths
-from omni_audio_inject.source import TowerSource, locate_tower, read_tensors
+from omni_audio_inject.source import TowerSource, audio_config_of, locate_tower, read_tensors
 
 
 def _encoder_classes() -> tuple[type, type]:
@@ -104,9 +104,7 @@ class FrozenAudioTower:
 
     def check(self) -> TowerSource:
         """Locate config and every tower tensor; raises ``MissingAudioTowerError`` naming the path."""
-        from omni_audio_inject.source import _audio_config
-
-        config_dict = _audio_config(self.root) if self.root.is_dir() else None
+        config_dict = audio_config_of(self.root) if self.root.is_dir() else None
         _, skeleton = self._skeleton(config_dict)
         return locate_tower(self.root, set(skeleton.state_dict().keys()))
 
@@ -134,9 +132,9 @@ class FrozenAudioTower:
                 self._module = module
             module = self._module
             first = next(module.parameters())
-            if first.device != torch.device(device) or first.dtype != dtype:
-                module.to(device=device, dtype=dtype)
-                # The position table stays fp32 in the reference (built as float, cast per use).
+            target = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
+            if first.device != target or first.dtype != dtype:
+                module.to(device=target, dtype=dtype)
             module.eval()
             module.requires_grad_(False)
             return module
