@@ -46,13 +46,12 @@ def test_audio_in_video_order_matches_the_processor(rope_config, t, h, w, spg, f
     import numpy as np
     from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
-    params = list(
-        inspect.signature(Qwen3OmniMoeProcessor.replace_video_with_audio_token).parameters
-    )
+    helper = getattr(Qwen3OmniMoeProcessor, "replace_video_with_audio_token", None)
+    if helper is None:  # older transformers (5.17) inline the interleave in __call__
+        pytest.skip("this transformers has no Qwen3OmniMoeProcessor.replace_video_with_audio_token")
+    params = list(inspect.signature(helper).parameters)
     if params[:5] != ["self", "video_inputs", "video_idx", "audio_inputs", "audio_idx"]:
-        pytest.skip(
-            f"this transformers' processor interleave helper has another signature: {params}"
-        )
+        pytest.skip(f"this transformers' interleave helper has another signature: {params}")
     m = rope_config.spatial_merge_size
     grid = [t, h * m, w * m]
     n_audio = audio_output_length(frames)
@@ -64,7 +63,7 @@ def test_audio_in_video_order_matches_the_processor(rope_config, t, h, w, spg, f
         audio_token="A",
         position_id_per_seconds=rope_config.position_id_per_seconds,
     )
-    text = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+    text = helper(
         stub,
         {"video_grid_thw": np.array([grid]), "video_second_per_grid": [spg]},
         0,
