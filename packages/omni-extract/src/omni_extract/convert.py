@@ -147,7 +147,7 @@ def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadP
     # Worker threads build the next blocks (pread and numpy copies release the GIL) while this
     # thread writes the current one; at most ``depth`` blocks exist at a time.
     by_part = {(expert, part): src for src, expert, part in out.parts}
-    depth = pool._max_workers + 1
+    depth = FUSE_THREADS + 1
     blocks: Queue[torch.Tensor] = Queue()
     for _ in range(depth):  # reused block buffers: fresh ones would page-fault on every expert
         blocks.put(torch.empty(out.shape[1:], dtype=out.dtype))
