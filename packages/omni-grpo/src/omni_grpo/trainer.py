@@ -263,7 +263,6 @@ def train(
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     configure_threads()
-    seed_everything(cfg.run.seed)
 
     # --- model and data, made once per run directory
     vl_dir, _audio_dir = prepare_model(cfg.model, run_dir)
@@ -277,6 +276,10 @@ def train(
     eval_set = OmniDataset(data_cfg.eval, data_cfg.root, builder) if data_cfg.eval else None
     eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id)
+
+    # Seed only now: preparation may or may not run (it is skipped when its outputs exist) and
+    # the checkpoint factory reseeds torch, so seeding earlier would make runs differ.
+    seed_everything(cfg.run.seed)
 
     # --- backend (owns the weights) and rollout engine
     backend = create_backend(
