@@ -6,9 +6,10 @@ exercised exactly as for a real dataset:
 
 - image: the dominant colour of a PNG (red or blue background, with distractor blocks of other
   colours covering less than a third of the picture);
-- audio: the pitch of a WAV tone (low 180-360 Hz or high 2-4 kHz, random amplitude and phase);
-- video: the horizontal motion direction of a square in an MP4 (left-to-right or right-to-left,
-  random row, colour and speed), which no single frame reveals.
+- audio: the pitch of a 2 s WAV tone (low 200-320 Hz or high 2.5-3.5 kHz, random amplitude,
+  phase and noise);
+- video: the horizontal motion direction of a light square in a 2 s MP4 (left-to-right or
+  right-to-left, random row and background), which no single frame reveals.
 
 The prompt text of a task is identical for every row and the two classes are balanced per split,
 so a policy that ignores the media cannot beat chance. Labels are the option letters ("A"/"B").
@@ -54,7 +55,7 @@ IMAGE_SIZE = 64
 VIDEO_SIZE = 64
 VIDEO_FPS = 8
 VIDEO_FRAMES = 16  # 2 seconds
-AUDIO_SECONDS = 1.0
+AUDIO_SECONDS = 2.0
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "blue": (30, 60, 220),
@@ -94,9 +95,9 @@ def write_image(path: Path, answer: str, rng: np.random.Generator) -> dict[str, 
 def write_audio(path: Path, answer: str, rng: np.random.Generator) -> dict[str, Any]:
     import soundfile as sf
 
-    freq = float(rng.uniform(180, 360) if answer == "low" else rng.uniform(2000, 4000))
+    freq = float(rng.uniform(200, 320) if answer == "low" else rng.uniform(2500, 3500))
     t = np.arange(int(AUDIO_SECONDS * AUDIO_SAMPLE_RATE)) / AUDIO_SAMPLE_RATE
-    amp = float(rng.uniform(0.2, 0.8))
+    amp = float(rng.uniform(0.4, 0.6))
     wave = amp * np.sin(2 * np.pi * freq * t + rng.uniform(0, 2 * np.pi))
     wave += rng.normal(0, 0.01, size=wave.shape)
     sf.write(path, wave.astype(np.float32), AUDIO_SAMPLE_RATE, subtype="PCM_16")
@@ -106,13 +107,13 @@ def write_audio(path: Path, answer: str, rng: np.random.Generator) -> dict[str, 
 def write_video(path: Path, answer: str, rng: np.random.Generator) -> dict[str, Any]:
     import av
 
-    side = 16
+    side = 20
     y = int(rng.integers(0, VIDEO_SIZE - side))
     start, end = 0, VIDEO_SIZE - side
     if answer == "left":
         start, end = end, start
-    colour = np.array(DISTRACTORS[int(rng.integers(len(DISTRACTORS)))], dtype=np.uint8)
-    background = rng.integers(0, 40, size=3).astype(np.uint8)
+    colour = np.array((240, 240, 240), dtype=np.uint8)
+    background = rng.integers(0, 30, size=3).astype(np.uint8)
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("libx264", rate=VIDEO_FPS)
         stream.width = stream.height = VIDEO_SIZE
@@ -193,7 +194,7 @@ def generate_synthetic(
         "n_train": n_train,
         "n_eval": n_eval,
         "seed": seed,
-        "version": 1,
+        "version": 2,
     }
     marker = out / "synthetic.json"
     if marker.is_file():
