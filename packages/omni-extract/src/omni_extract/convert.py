@@ -22,10 +22,9 @@ import shutil
 import tempfile
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Queue
 
 import torch
 
@@ -41,7 +40,7 @@ from omni_extract.plan import (
     build_plan,
 )
 from omni_extract.source import INDEX_FILE, SINGLE_FILE, OmniSource, SourceTensor, open_source
-from omni_extract.writer import ShardWriter, tensor_bytes
+from omni_extract.writer import ShardWriter, pwrite_all, tensor_bytes
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 # Threads that build fused-expert blocks ahead of the writer.
@@ -113,20 +112,21 @@ class _Inputs:
 
 
 def _fused_block(
-    out: OutputTensor, by_part: dict, expert: int, inputs: _Inputs, blocks: Queue[torch.Tensor]
-) -> torch.Tensor:
-    """One expert's contiguous block of a fused tensor, in the VL hub layout.
+    out: OutputTensor, by_part: dict, expert: int, inputs: _Inputs, fd: int, offset: int
+) -> None:
+    """Build one expert's contiguous block of a fused tensor and ``pwrite`` it at ``offset``.
 
     gate_up [E, H, 2I]: block [H, 2I] = (gate_e.T | up_e.T); down [E, I, H]: block = down_e.T.
+    Runs in a worker thread; every buffer is a per-thread scratch, reused across experts.
     """
-    block = blocks.get()
+    block = scratch("block", out.shape[1:], out.dtype)
     if out.fused == "down":
         transpose_into(block, _read_scratch(inputs, by_part[expert, "down"]))
     else:
         half = out.shape[2] // 2
         transpose_into(block[:, :half], _read_scratch(inputs, by_part[expert, "gate"]))
         transpose_into(block[:, half:], _read_scratch(inputs, by_part[expert, "up"]))
-    return block
+    pwrite_all(fd, tensor_bytes(block), offset)
 
 
 def _read_scratch(inputs: _Inputs, src: SourceTensor) -> torch.Tensor:
@@ -143,27 +143,25 @@ def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadP
         else:
             writer.append(tensor_bytes(inputs.read(src).to(out.dtype)))
         return writer.end()
-    # Fused experts, written expert by expert (each expert's block is contiguous in the output).
-    # Worker threads build the next blocks (pread and numpy copies release the GIL) while this
-    # thread writes the current one; at most ``depth`` blocks exist at a time.
+    # Fused experts: each expert's block is contiguous in the output, so worker threads read,
+    # transpose and pwrite whole blocks in parallel (pread/pwrite and numpy copies release the
+    # GIL). At most 2 x FUSE_THREADS experts are in flight.
     by_part = {(expert, part): src for src, expert, part in out.parts}
-    depth = FUSE_THREADS + 1
-    blocks: Queue[torch.Tensor] = Queue()
-    for _ in range(depth):  # reused block buffers: fresh ones would page-fault on every expert
-        blocks.put(torch.empty(out.shape[1:], dtype=out.dtype))
-    pending: deque[Future[torch.Tensor]] = deque()
-
-    def flush_one() -> None:
-        block = pending.popleft().result()
-        writer.append(tensor_bytes(block))
-        blocks.put(block)
-
-    for expert in range(out.shape[0]):
-        pending.append(pool.submit(_fused_block, out, by_part, expert, inputs, blocks))
-        if len(pending) >= depth:
-            flush_one()
-    while pending:
-        flush_one()
+    fd, base = writer.reserve()
+    block_bytes = out.planned.nbytes // out.shape[0]
+    pending: deque[Future[None]] = deque()
+    try:
+        for expert in range(out.shape[0]):
+            offset = base + expert * block_bytes
+            pending.append(pool.submit(_fused_block, out, by_part, expert, inputs, fd, offset))
+            if len(pending) >= 2 * FUSE_THREADS:
+                pending.popleft().result()
+        while pending:
+            pending.popleft().result()
+    finally:
+        for fut in pending:  # on error: let in-flight blocks finish before the file is closed
+            fut.cancel()
+        wait(pending)
     return writer.end()
 
 

@@ -63,6 +63,12 @@ def write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
 class ShardWriter:
     """Write one shard whose tensors arrive in the announced order, each checked for size."""
 
@@ -105,6 +111,19 @@ class ShardWriter:
                 raise OSError(f"{self.path}: source ended {nbytes} bytes early at offset {offset}")
             offset += sent
             nbytes -= sent
+
+    def reserve(self) -> tuple[int, int]:
+        """Claim the rest of the current tensor for positional writes: ``(fd, absolute offset)``.
+
+        Worker threads then fill the region with ``pwrite_all`` in any order, in parallel; the
+        file position moves past it so later tensors append as usual.
+        """
+        if self._current is None:
+            raise RuntimeError(f"{self.path}: reserve() outside a tensor")
+        start = os.lseek(self._fd, 0, os.SEEK_CUR)
+        os.lseek(self._fd, self._remaining, os.SEEK_CUR)
+        self._remaining = 0
+        return self._fd, start
 
     def end(self) -> int:
         """Finish the current tensor (all its bytes must have arrived); return its size."""
