@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import yaml
 from click.testing import CliRunner
-
 from omni_grpo.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +27,9 @@ def test_train_cli_improves_reward(tmp_path: Path) -> None:
     cfg["rollout"]["prompts_per_step"] = 6
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
 
-    result = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "tiny.yaml"), "--no-progress"])
+    result = CliRunner().invoke(
+        main, ["train", "--config", str(tmp_path / "tiny.yaml"), "--no-progress"]
+    )
     assert result.exit_code == 0, result.output
 
     run = tmp_path / "run"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from omni_grpo.config import DataConfig, ModelConfig, TinyModelConfig
 from omni_grpo.data.dataset import OmniDataset
 from omni_grpo.data.prompt import PromptBuilder
@@ -20,7 +19,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, OmniDataset
     from omni_grpo.models import load_thinker
 
     root = tmp_path_factory.mktemp("embedded")
-    model_cfg = ModelConfig(make_tiny=TinyModelConfig(), extracted_dir=root / "vl", audio_dir=root / "audio")
+    model_cfg = ModelConfig(
+        make_tiny=TinyModelConfig(), extracted_dir=root / "vl", audio_dir=root / "audio"
+    )
     vl, audio = prepare_model(model_cfg, root)
     train, _ = generate_synthetic(root / "data", n_train=2, n_eval=2)
     data = DataConfig(train=train, root=train.parent)
@@ -30,10 +31,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, OmniDataset
     return model, OmniDataset(train, train.parent, builder), eos
 
 
-def _recompute(model: torch.nn.Module, prompt: object, tokens: list[int], temperature: float) -> torch.Tensor:
+def _recompute(
+    model: torch.nn.Module, prompt: object, tokens: list[int], temperature: float
+) -> torch.Tensor:
     ids = torch.tensor([prompt.input_ids + tokens])
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **repeat_mm(prompt.mm, 1)).logits
+        logits = model(
+            input_ids=ids, attention_mask=torch.ones_like(ids), **repeat_mm(prompt.mm, 1)
+        ).logits
     z = logits[0, len(prompt.input_ids) - 1 : -1].float() / temperature
     return torch.log_softmax(z, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
@@ -64,7 +69,9 @@ def test_eos_ends_a_sample_and_is_kept(setup: tuple) -> None:
     # Every token stops: each sample is exactly one token long, finished by "stop".
     stop_all = list(range(model.lm_head.weight.shape[0]))
     engine = EmbeddedEngine(model, [eos])
-    group = engine.generate([prompt], 4, SamplingConfig(max_new_tokens=5, stop_token_ids=stop_all))[0]
+    group = engine.generate([prompt], 4, SamplingConfig(max_new_tokens=5, stop_token_ids=stop_all))[
+        0
+    ]
     assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" for c in group)
     # No stop token reachable (all banned but never sampled): runs to max_new_tokens.
     group = EmbeddedEngine(model, [eos], banned_token_ids=[eos]).generate(
@@ -115,5 +122,3 @@ def test_unknown_engine_is_named() -> None:
     cfg = RolloutConfig().model_copy(update={"engine": "warp-drive"})
     with pytest.raises(ValueError, match="warp-drive"):
         create_engine(cfg)
-
-

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from omni_grpo.run.checkpoint import (
     CheckpointError,
     DataCursor,
@@ -26,7 +25,9 @@ from omni_grpo.run.metrics import MetricsLogger, read_metrics
 def _save(run: Path, step: int, value: float = 0.0, **kw: object) -> Path:
     state = TrainState(step=step, cursor=DataCursor(1, step), warmup_done=True)
     weights = {"w": torch.full((2, 3), value)}
-    return save_checkpoint(run, state, weights, {"optimizer": {"lr": 0.1}, "steps_done": step}, **kw)
+    return save_checkpoint(
+        run, state, weights, {"optimizer": {"lr": 0.1}, "steps_done": step}, **kw
+    )
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -87,7 +88,12 @@ def test_rng_state_restores_all_generators() -> None:
     np.random.seed(1)
     torch.manual_seed(1)
     saved = rng_state()
-    expected = (random.random(), np.random.rand(), torch.rand(3), torch.multinomial(torch.ones(10), 4))
+    expected = (
+        random.random(),
+        np.random.rand(),
+        torch.rand(3),
+        torch.multinomial(torch.ones(10), 4),
+    )
     random.seed(99)
     np.random.seed(99)
     torch.manual_seed(99)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from omni_grpo.data import read_samples
 from omni_grpo.data.synthetic import TASKS, generate_synthetic
 
@@ -29,7 +28,9 @@ def test_rows_validate_and_are_balanced(dataset: tuple[Path, Path]) -> None:
             # the text alone carries no information: one prompt per task
             assert len({s.prompt for s in rows}) == 1
             assert all(s.choices == list(TASKS[task].answers) for s in rows)
-            assert all(TASKS[task].answers["AB".index(s.label)] == s.metadata["answer"] for s in rows)
+            assert all(
+                TASKS[task].answers["AB".index(s.label)] == s.metadata["answer"] for s in rows
+            )
 
 
 def test_media_encode_the_label(dataset: tuple[Path, Path]) -> None:
@@ -54,7 +55,9 @@ def test_media_encode_the_label(dataset: tuple[Path, Path]) -> None:
             assert (peak_hz > 1000) == (answer == "high")
         else:
             with av.open(str(path)) as container:
-                frames = [f.to_ndarray(format="gray").astype(float) for f in container.decode(video=0)]
+                frames = [
+                    f.to_ndarray(format="gray").astype(float) for f in container.decode(video=0)
+                ]
             assert len(frames) >= 8
 
             def centre(frame: np.ndarray) -> float:
@@ -79,7 +82,9 @@ def test_reuse_and_mismatch(dataset: tuple[Path, Path], tmp_path: Path) -> None:
         generate_synthetic(tmp_path / "new", tasks=["smell"])
 
 
-def test_interrupted_generation_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_generation_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import omni_grpo.data.synthetic as syn
 
     def boom(*args: object) -> dict[str, object]:

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from omni_grpo.backends import available_backends, backend_factory
 from omni_grpo.backends.torch_backend import GRPOBatch, TorchBackend, make_micro_batches
 from omni_grpo.config import AlgoConfig, DataConfig, ModelConfig, TinyModelConfig, TrainerConfig
@@ -23,7 +22,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     from omni_grpo.models import load_thinker
 
     root = tmp_path_factory.mktemp("backend")
-    model_cfg = ModelConfig(make_tiny=TinyModelConfig(), extracted_dir=root / "vl", audio_dir=root / "audio")
+    model_cfg = ModelConfig(
+        make_tiny=TinyModelConfig(), extracted_dir=root / "vl", audio_dir=root / "audio"
+    )
     vl, audio = prepare_model(model_cfg, root)
     train, _ = generate_synthetic(root / "data", n_train=2, n_eval=2)
     builder = PromptBuilder(vl, DataConfig(train=train, root=train.parent))
@@ -48,7 +49,9 @@ def _backend(world: dict, **trainer_kw: object) -> TorchBackend:
 def _seq_logp(backend: TorchBackend, groups: list, advantages: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         mbs = make_micro_batches(groups, advantages, 64, backend.pad_token_id)
-        return torch.cat([(backend._token_logp(backend.model, mb, 1.0) * mb.mask).sum(-1) for mb in mbs])
+        return torch.cat(
+            [(backend._token_logp(backend.model, mb, 1.0) * mb.mask).sum(-1) for mb in mbs]
+        )
 
 
 def test_registry_has_torch() -> None:
@@ -95,14 +98,24 @@ def test_micro_batching_gives_the_same_update(world: dict) -> None:
 
 def test_visual_tower_frozen_by_default(world: dict) -> None:
     backend = _backend(world)
-    visual = {n: p.detach().clone() for n, p in backend.model.named_parameters() if n.startswith("model.visual.")}
-    assert visual and not any(p.requires_grad for n, p in backend.model.named_parameters() if n in visual)
+    visual = {
+        n: p.detach().clone()
+        for n, p in backend.model.named_parameters()
+        if n.startswith("model.visual.")
+    }
+    assert visual and not any(
+        p.requires_grad for n, p in backend.model.named_parameters() if n in visual
+    )
     backend.step(GRPOBatch(world["groups"], torch.tensor([[1.0, -1.0, 1.0, -1.0]] * 3)))
     for n, p in backend.model.named_parameters():
         if n in visual:
             assert torch.equal(p, visual[n]), n
     unfrozen = _backend(world, freeze_visual=False)
-    assert any(p.requires_grad for n, p in unfrozen.model.named_parameters() if n.startswith("model.visual."))
+    assert any(
+        p.requires_grad
+        for n, p in unfrozen.model.named_parameters()
+        if n.startswith("model.visual.")
+    )
 
 
 def test_non_finite_gradient_skips_the_step(world: dict, monkeypatch: pytest.MonkeyPatch) -> None:

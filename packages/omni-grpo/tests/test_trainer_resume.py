@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from omni_grpo.config import load_config
 from omni_grpo.run.metrics import read_metrics
 from omni_grpo.trainer import EpochSampler, train
@@ -54,7 +53,9 @@ def test_resume_after_stop_gives_identical_metrics(tmp_path: Path) -> None:
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "data", resumed / "data")  # same dataset, no regeneration cost
-    first = train(_cfg(resumed, model_dir, 5), progress=False, stop_after=2)  # "killed" after step 2
+    first = train(
+        _cfg(resumed, model_dir, 5), progress=False, stop_after=2
+    )  # "killed" after step 2
     assert first.steps == 2
     # a killed run may have logged past its last checkpoint: resume must drop those lines
     with open(resumed / "metrics.jsonl", "a") as f:
@@ -76,7 +77,9 @@ def test_epoch_sampler_cursor_reproduces_the_stream() -> None:
     assert head + [c.next() for _ in range(6)] == stream
 
 
-def test_resume_without_checkpoint_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_resume_without_checkpoint_starts_fresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = _cfg(tmp_path / "run", tmp_path / "model", 1)
     result = train(cfg, resume=True, progress=False)
     assert result.steps == 1

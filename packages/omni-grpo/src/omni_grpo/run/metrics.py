@@ -66,7 +66,8 @@ class MetricsLogger:
             truncate_metrics(self.run_dir, resume_step)
         elif (self.run_dir / METRICS_FILE).exists():
             (self.run_dir / METRICS_FILE).unlink()
-        self._file = open(self.run_dir / METRICS_FILE, "a")
+        # A long-lived append handle, closed in close(): one line per step, flushed each time.
+        self._file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
