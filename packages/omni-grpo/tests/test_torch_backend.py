@@ -162,3 +162,24 @@ def test_supervised_warmup_step_learns_targets(world: dict) -> None:
         last = backend.supervised_step(prompts, targets, lr=1e-2)
     assert last < first
     assert backend.optimizer.param_groups[0]["lr"] == backend.cfg.lr  # restored after warm-up
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_on_gpu_with_bf16_autocast(world: dict) -> None:
+    model = copy.deepcopy(world["base"])
+    cfg = TrainerConfig(device="cuda", lr=1e-3)
+    backend = TorchBackend(model, cfg, AlgoConfig(), pad_token_id=world["eos"])
+    assert backend.autocast_dtype == torch.bfloat16 and backend.device.type == "cuda"
+    engine = EmbeddedEngine(
+        model,
+        [world["eos"]],
+        device="cuda",
+        autocast_dtype=torch.bfloat16,
+        banned_token_ids=media_token_ids(model),
+    )
+    groups = engine.generate(world["prompts"], 4, SamplingConfig(max_new_tokens=3))
+    metrics = backend.step(GRPOBatch(groups, torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(groups))))
+    assert metrics["skipped_step"] == 0
+    # cached bf16 decoding vs the trainer's bf16 recompute: close, not bit-identical
+    assert metrics["train_rollout_logprob_abs_diff"] < 0.1
