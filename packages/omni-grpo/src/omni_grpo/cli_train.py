@@ -55,7 +55,13 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool) -> None:
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.rollout import create_engine
     from omni_grpo.run.checkpoint import latest_checkpoint, load_checkpoint
-    from omni_grpo.trainer import evaluate, media_token_ids, prepare_data, prepare_model
+    from omni_grpo.trainer import (
+        end_of_turn_ids,
+        evaluate,
+        media_token_ids,
+        prepare_data,
+        prepare_model,
+    )
 
     run_dir = Path(cfg.run.dir)
     vl_dir, _ = prepare_model(cfg.model, run_dir)
@@ -64,7 +70,8 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool) -> None:
         raise click.UsageError("data.eval is not set (and data.synthetic is not configured)")
     builder = PromptBuilder(vl_dir, data_cfg)
     tok = builder.tokenizer
-    eos_id = int(tok.convert_tokens_to_ids("<|im_end|>"))
+    eos_ids = end_of_turn_ids(vl_dir, tok)
+    eos_id = eos_ids[0]
     backend = create_backend(
         cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=eos_id
     )
@@ -77,7 +84,7 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool) -> None:
         if cfg.rollout.engine == "embedded"
         else cfg.rollout,
         policy=backend.model,
-        eos_token_ids=[eos_id],
+        eos_token_ids=eos_ids,
         banned_token_ids=media_token_ids(backend.model),
         decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
         device=str(backend.device),

@@ -13,6 +13,7 @@ uninterrupted run would (identical ``metrics.jsonl`` lines, apart from ``time/*`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -119,6 +120,21 @@ def media_token_ids(model: Any) -> list[int]:
     if sideband is None:
         return []
     return sorted({int(sideband.raw[f]) for f in MEDIA_TOKEN_FIELDS if f in sideband.raw})
+
+
+def end_of_turn_ids(model_dir: Path, tokenizer: Any) -> list[int]:
+    """Ids that end a completion: ``eos_token_id`` of the model's generation config (the
+    checkpoint's own choice, int or list), else the tokenizer's EOS. The first one is the
+    end-of-turn token the format warm-up appends."""
+    path = Path(model_dir) / "generation_config.json"
+    eos: Any = None
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"{path}: no eos_token_id, and the tokenizer has no EOS token either")
+    return [int(x) for x in (eos if isinstance(eos, list) else [eos])]
 
 
 def configure_threads() -> None:
@@ -274,7 +290,8 @@ def train(
     tokenizer = builder.tokenizer
     train_set = OmniDataset(data_cfg.train, data_cfg.root, builder)
     eval_set = OmniDataset(data_cfg.eval, data_cfg.root, builder) if data_cfg.eval else None
-    eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    eos_ids = end_of_turn_ids(vl_dir, tokenizer)
+    eos_id = eos_ids[0]
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id)
 
     # Seed only now: preparation may or may not run (it is skipped when its outputs exist) and
@@ -289,7 +306,7 @@ def train(
     engine = create_engine(
         cfg.rollout,
         policy=getattr(backend, "model", None),
-        eos_token_ids=[eos_id],
+        eos_token_ids=eos_ids,
         banned_token_ids=banned,
         decode_fn=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         device=str(getattr(backend, "device", "cpu")),
@@ -432,8 +449,13 @@ def rollout_metrics(groups: list[list[Completion]], rewards: torch.Tensor) -> di
         "truncated_frac": float(np.mean([c.finish_reason == "length" for g in groups for c in g])),
     }
     per: dict[str, list[float]] = defaultdict(list)
+    signal: dict[str, list[float]] = defaultdict(list)
     for g, group in enumerate(groups):
-        per[group[0].prompt.sample.modality].extend(rewards[g].tolist())
+        modality = group[0].prompt.sample.modality
+        per[modality].extend(rewards[g].tolist())
+        signal[modality].append(float(rewards.shape[1] > 1 and bool(rewards[g].std() > 0)))
     for modality, values in sorted(per.items()):
         out[f"reward/{modality}"] = float(np.mean(values))
+        # groups whose rewards differ: the only ones GRPO learns from (0 = collapsed on this task)
+        out[f"signal/{modality}"] = float(np.mean(signal[modality]))
     return out
