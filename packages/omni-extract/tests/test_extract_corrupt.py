@@ -140,3 +140,14 @@ def test_no_tokenizer_files(tiny_omni_dir, tmp_path):
     shutil.copytree(tiny_omni_dir, src)
     (src / "tokenizer.json").unlink()
     _fails(src, tmp_path, ExtractError, "no tokenizer files")
+
+
+def test_truncated_shard(tiny_omni_dir, tmp_path):
+    from omni_extract.errors import CorruptShardError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    shard = src / "model-00003-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    _fails(src, tmp_path, CorruptShardError, r"model-00003-of-00003\.safetensors")

@@ -15,6 +15,10 @@ class MissingShardError(ExtractError):
     """A shard listed in ``model.safetensors.index.json`` is absent (or lacks a listed tensor)."""
 
 
+class CorruptShardError(ExtractError):
+    """A shard file is not a readable safetensors file (truncated, bad header)."""
+
+
 class UnmappedTensorError(ExtractError):
     """A tensor name matches no row of the name table: it would otherwise be dropped silently."""
 

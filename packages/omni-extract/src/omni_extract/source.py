@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from omni_extract.errors import MissingShardError, NotQwen3OmniError, TensorMismatchError
+from omni_extract.errors import (
+    CorruptShardError,
+    MissingShardError,
+    NotQwen3OmniError,
+    TensorMismatchError,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -125,23 +130,36 @@ def _data_offsets(path: Path) -> dict[str, int]:
 def _read_headers(root: Path, files: tuple[str, ...]) -> dict[str, SourceTensor]:
     tensors: dict[str, SourceTensor] = {}
     for i, fname in enumerate(files):
-        offsets = _data_offsets(root / fname)
-        with safe_open(root / fname, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                sl = f.get_slice(name)
-                tag = sl.get_dtype()
-                if tag not in ST_TO_TORCH:
-                    raise TensorMismatchError(
-                        f"{fname}: tensor {name!r} has dtype {tag}, expected a floating type "
-                        f"({', '.join(ST_TO_TORCH)})"
-                    )
-                if name in tensors:
-                    raise TensorMismatchError(
-                        f"tensor {name!r} appears in both {tensors[name].file} and {fname}"
-                    )
-                tensors[name] = SourceTensor(
-                    name, fname, i, ST_TO_TORCH[tag], tuple(sl.get_shape()), offsets[name]
+        try:
+            tensors.update(_read_header(root, fname, i, tensors))
+        except (SafetensorError, OSError, ValueError, KeyError) as exc:
+            raise CorruptShardError(
+                f"{root / fname}: not a readable safetensors file ({exc})"
+            ) from exc
+    return tensors
+
+
+def _read_header(
+    root: Path, fname: str, i: int, seen: dict[str, SourceTensor]
+) -> dict[str, SourceTensor]:
+    tensors: dict[str, SourceTensor] = {}
+    offsets = _data_offsets(root / fname)
+    with safe_open(root / fname, framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+            sl = f.get_slice(name)
+            tag = sl.get_dtype()
+            if tag not in ST_TO_TORCH:
+                raise TensorMismatchError(
+                    f"{fname}: tensor {name!r} has dtype {tag}, expected a floating type "
+                    f"({', '.join(ST_TO_TORCH)})"
                 )
+            if name in seen:
+                raise TensorMismatchError(
+                    f"tensor {name!r} appears in both {seen[name].file} and {fname}"
+                )
+            tensors[name] = SourceTensor(
+                name, fname, i, ST_TO_TORCH[tag], tuple(sl.get_shape()), offsets[name]
+            )
     return tensors
 
 
