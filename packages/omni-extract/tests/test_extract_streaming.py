@@ -142,3 +142,16 @@ def test_transpose_into_is_bit_exact(rows, cols, pad, dtypes):
     transpose_into(block[:, pad:], src)
     assert torch.equal(block[:, pad:], src.T.to(dst_dtype))
     assert not block[:, :pad].any()
+
+
+def test_progress_reports_every_byte_and_tensor(tiny_omni_dir, tmp_path):
+    seen = {"bytes": 0, "tensors": 0, "calls": 0}
+
+    def progress(nbytes: int, ntensors: int) -> None:
+        seen["bytes"] += nbytes
+        seen["tensors"] += ntensors
+        seen["calls"] += 1
+
+    result = extract(tiny_omni_dir, tmp_path / "vl", variant="vl", progress=progress)
+    assert seen["bytes"] == result.num_bytes and seen["tensors"] == result.num_tensors
+    assert seen["calls"] > result.num_tensors  # fused tensors report per expert

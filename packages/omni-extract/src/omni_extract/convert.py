@@ -133,8 +133,18 @@ def _read_scratch(inputs: _Inputs, src: SourceTensor) -> torch.Tensor:
     return inputs.read(src, scratch("read", src.shape, src.dtype))
 
 
-def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadPoolExecutor) -> int:
-    """Stream one output tensor into ``writer``; at most a few experts' matrices are in memory."""
+def _emit(
+    out: OutputTensor,
+    writer: ShardWriter,
+    inputs: _Inputs,
+    pool: ThreadPoolExecutor,
+    progress: ProgressFn,
+) -> None:
+    """Stream one output tensor into ``writer``; at most a few experts' matrices are in memory.
+
+    Reports bytes to ``progress`` as they are written (per expert for fused tensors, which are
+    ~0.8 GB each in the real model) and the tensor once it is complete.
+    """
     writer.begin(out.name, out.dtype, out.shape)
     if out.source is not None:
         src = out.source
@@ -142,7 +152,8 @@ def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadP
             writer.copy_from(inputs.fd(src.file), src.offset, src.nbytes)
         else:
             writer.append(tensor_bytes(inputs.read(src).to(out.dtype)))
-        return writer.end()
+        progress(writer.end(), 1)
+        return
     # Fused experts: each expert's block is contiguous in the output, so worker threads read,
     # transpose and pwrite whole blocks in parallel (pread/pwrite and numpy copies release the
     # GIL). At most 2 x FUSE_THREADS experts are in flight.
@@ -156,13 +167,16 @@ def _emit(out: OutputTensor, writer: ShardWriter, inputs: _Inputs, pool: ThreadP
             pending.append(pool.submit(_fused_block, out, by_part, expert, inputs, fd, offset))
             if len(pending) >= 2 * FUSE_THREADS:
                 pending.popleft().result()
+                progress(block_bytes, 0)
         while pending:
             pending.popleft().result()
+            progress(block_bytes, 0)
     finally:
         for fut in pending:  # on error: let in-flight blocks finish before the file is closed
             fut.cancel()
         wait(pending)
-    return writer.end()
+    writer.end()
+    progress(0, 1)
 
 
 def _shard_names(n: int) -> list[str]:
@@ -176,6 +190,7 @@ def stream_weights(
 ) -> tuple[str, ...]:
     """Write the planned tensors into ``out_dir`` as sharded safetensors (+ index if >1 shard)."""
     names = _shard_names(len(plan.shards))
+    report: ProgressFn = progress or (lambda nbytes, ntensors: None)
     inputs = _Inputs(source.root, source.files)
     pool = ThreadPoolExecutor(max_workers=FUSE_THREADS, thread_name_prefix="omni-extract")
     weight_map: dict[str, str] = {}
@@ -184,10 +199,8 @@ def stream_weights(
             writer = ShardWriter(out_dir / fname, [o.planned for o in shard], SAFETENSORS_METADATA)
             try:
                 for out in shard:
-                    nbytes = _emit(out, writer, inputs, pool)
+                    _emit(out, writer, inputs, pool, report)
                     weight_map[out.name] = fname
-                    if progress is not None:
-                        progress(nbytes, 1)
                 writer.close()
             except BaseException:
                 writer.abort()
