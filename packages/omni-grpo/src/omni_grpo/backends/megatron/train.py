@@ -120,6 +120,7 @@ class GRPOBatch:
     rollout_logp: list[torch.Tensor] | None = None
     ref_logp: list[torch.Tensor] | None = None
     mm: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    temperature: float = 1.0  # the rollout sampling temperature (logits are divided by it)
 
 
 def _collate_mm(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -189,8 +190,10 @@ class MegatronTrainer:
             **{k: v.to(dev) for k, v in per_tok.items()},
         )
 
-    def logprobs(self, micro: dict[str, Any]) -> torch.Tensor:
+    def logprobs(self, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
         logits = self.thinker(micro["ids"], micro["pos"], micro["mm"])  # [B, S, V/tp]
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
         return vocab_parallel_logprobs(logits[:, :-1], micro["ids"][:, 1:])
 
     def step(self, batch: GRPOBatch) -> dict[str, float]:
@@ -203,7 +206,7 @@ class MegatronTrainer:
         totals: dict[str, float] = {}
         for idx in plan:
             micro = self._micro(batch, idx)
-            logp = self.logprobs(micro)
+            logp = self.logprobs(micro, batch.temperature)
             old = micro.get("old_logp")
             if old is None and not self.algo.use_rollout_logprobs:
                 old = logp.detach()  # on-policy single epoch: ratio 1
