@@ -3,9 +3,9 @@
 Everything that can fail on bad input fails here, before a byte is written: unmapped names, tensors
 the config does not imply, wrong shapes, missing experts, an empty selection.
 
-Order: output tensors are produced in the order of the LAST input shard they need, so the stream
-reads shard after shard; a layer whose experts straddle two shards is fused while the later one is
-open, re-reading just those few experts from the earlier one.
+Order: output tensors are produced in the order of the LAST input shard they need, so cold reads
+go shard after shard; a layer whose experts straddle two shards is fused once the later shard is
+reached (its experts are read positionally from both, see ``convert.py``).
 """
 
 from __future__ import annotations
