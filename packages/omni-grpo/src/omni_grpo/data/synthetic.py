@@ -8,8 +8,8 @@ exercised exactly as for a real dataset:
   colours covering less than a third of the picture);
 - audio: the pitch of a 2 s WAV tone (low 200-320 Hz or high 2.5-3.5 kHz, random amplitude,
   phase and noise);
-- video: the horizontal motion direction of a light square in a 2 s MP4 (left-to-right or
-  right-to-left, random row and background), which no single frame reveals.
+- video: the horizontal motion direction of a light vertical bar in a 2 s MP4 (left-to-right or
+  right-to-left, across the whole frame, random background), which no single frame reveals.
 
 The prompt text of a task is identical for every row and the two classes are balanced per split,
 so a policy that ignores the media cannot beat chance. Labels are the option letters ("A"/"B").
@@ -107,8 +107,7 @@ def write_audio(path: Path, answer: str, rng: np.random.Generator) -> dict[str, 
 def write_video(path: Path, answer: str, rng: np.random.Generator) -> dict[str, Any]:
     import av
 
-    side = 20
-    y = int(rng.integers(0, VIDEO_SIZE - side))
+    side = 20  # a full-height bar: its row carries no information, only its motion does
     start, end = 0, VIDEO_SIZE - side
     if answer == "left":
         start, end = end, start
@@ -123,12 +122,12 @@ def write_video(path: Path, answer: str, rng: np.random.Generator) -> dict[str, 
             x = round(start + (end - start) * i / (VIDEO_FRAMES - 1))
             frame = np.empty((VIDEO_SIZE, VIDEO_SIZE, 3), dtype=np.uint8)
             frame[:] = background
-            frame[y : y + side, x : x + side] = colour
+            frame[:, x : x + side] = colour
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return {"direction": answer, "row": y}
+    return {"direction": answer}
 
 
 WRITERS: dict[str, Callable[[Path, str, np.random.Generator], dict[str, Any]]] = {
@@ -194,7 +193,7 @@ def generate_synthetic(
         "n_train": n_train,
         "n_eval": n_eval,
         "seed": seed,
-        "version": 2,
+        "version": 3,
     }
     marker = out / "synthetic.json"
     if marker.is_file():
