@@ -71,7 +71,8 @@ def matmul_rate(device: torch.device) -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
 
 
-def time_step(th, ids, pos, iters: int, warmup: int) -> list[float]:
+def time_step(th, ids, pos, iters: int, warmup: int, loss: str = "chunked") -> list[float]:
+    from omni_grpo.backends.megatron._mcore import mcore
     from omni_grpo.backends.megatron.train import vocab_parallel_logprobs
 
     times = []
@@ -79,7 +80,12 @@ def time_step(th, ids, pos, iters: int, warmup: int) -> list[float]:
         torch.cuda.synchronize()
         t = time.perf_counter()
         logits = th(ids, pos)
-        lp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:])
+        if (
+            loss == "chunked"
+        ):  # what the trainer does at tp = 1 (shared omni_grpo.algo chunked logprobs)
+            lp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:])
+        else:  # megatron's vocab-parallel cross entropy on the whole fp32 logits (the tp > 1 path)
+            lp = -mcore().vocab_parallel_cross_entropy(logits[:, :-1].float(), ids[:, 1:])
         (-lp.mean()).backward()
         torch.cuda.synchronize()
         if i >= warmup:
@@ -87,6 +93,16 @@ def time_step(th, ids, pos, iters: int, warmup: int) -> list[float]:
         for p in th.lm.parameters():
             p.grad = None
     return times
+
+
+def profile_step(th, ids, pos, loss: str) -> dict[str, float]:
+    """CUDA time per kernel name over one step (top 15): where the step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_step(th, ids, pos, 1, warmup=0, loss=loss)
+    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
+    return {e.key[:90]: round(getattr(e, "device_time_total", 0) / 1e3, 2) for e in rows[:15]}
 
 
 def bench_step(args, impl: str, device: torch.device) -> dict:
@@ -110,12 +126,13 @@ def bench_step(args, impl: str, device: torch.device) -> dict:
         .contiguous()
     )
     iters = args.iters if impl == "grouped" else max(2, args.iters // 3)
-    times = time_step(th, ids, pos, iters, warmup=2)
+    times = time_step(th, ids, pos, iters, warmup=2, loss=args.loss)
     med = statistics.median(times)
     tokens = args.batch * args.seq
     flops = 3 * forward_flops_per_token(args.layers, args.seq) * tokens
     out = {
         "experts": impl,
+        "loss": args.loss,
         "step_s_median": med,
         "step_s_all": times,
         "tokens_per_s": tokens / med,
@@ -124,6 +141,8 @@ def bench_step(args, impl: str, device: torch.device) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "params": sum(p.numel() for p in lm.parameters()),
     }
+    if args.profile and impl == "grouped":
+        out["top_kernels_ms"] = profile_step(th, ids, pos, args.loss)
     state = {"lm": lm, "th": th, "args": margs} if impl == "grouped" else None
     if impl != "grouped":
         del lm, th
@@ -172,6 +191,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--no-sync", action="store_true")
+    ap.add_argument("--loss", choices=["chunked", "vocab_parallel"], default="chunked")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="add a per-kernel CUDA time table of one grouped step",
+    )
     ap.add_argument(
         "--big-batch",
         type=int,
