@@ -183,3 +183,14 @@ def test_step_on_gpu_with_bf16_autocast(world: dict) -> None:
     assert metrics["skipped_step"] == 0
     # cached bf16 decoding vs the trainer's bf16 recompute: close, not bit-identical
     assert metrics["train_rollout_logprob_abs_diff"] < 0.1
+
+
+def test_no_signal_batch_does_not_replay_momentum(world: dict) -> None:
+    backend = _backend(world)
+    backend.step(GRPOBatch(world["groups"], torch.tensor([[1.0, -1.0, 1.0, -1.0]] * 3)))
+    assert backend.optimizer.state  # AdamW now has momentum
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+    metrics = backend.step(GRPOBatch(world["groups"], torch.zeros(3, 4)))
+    assert metrics["no_signal_step"] == 1 and metrics["grad_norm"] == 0
+    for n, p in backend.model.named_parameters():
+        assert torch.equal(p, before[n]), n

@@ -6,7 +6,9 @@ those of an unbatched forward), forward prompt+completion, take the logprobs of 
 compute the shared GRPO loss (``omni_grpo.algo.grpo_loss``) with global normalisers so that the
 micro-batch losses add up to the full-batch loss, backward, and after the last micro-batch clip
 the gradient norm and step AdamW — unless the norm is NaN/inf, in which case the step is skipped
-(gradients dropped, weights untouched) and reported as ``skipped_step``.
+(gradients dropped, weights untouched) and reported as ``skipped_step``, or unless no group has
+any reward variance (all advantages 0, no KL/entropy term): then there is nothing to learn and
+the optimizer is not stepped (``no_signal_step``), so AdamW's momentum cannot move the policy.
 
 Old (behaviour) logprobs are the trainer's own recompute: with ``ppo_epochs == 1`` every
 micro-batch runs before the single optimizer step, so the detached logprobs of the training
@@ -187,6 +189,8 @@ class TorchBackend:
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
         skipped = 0
+        no_signal = 0
+        has_signal = bool((batch.advantages != 0).any())
         grad_norm = 0.0
         for _epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -220,16 +224,22 @@ class TorchBackend:
                         sums[k] += v * tokens
                         weights[k] += tokens
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
-            if math.isfinite(grad_norm):
+            if not math.isfinite(grad_norm):
+                skipped += 1
+            elif has_signal or self.algo.kl_coef != 0 or self.algo.entropy_coef != 0:
                 self.optimizer.step()
             else:
-                skipped += 1
+                # Every group has identical rewards: the policy-gradient is exactly zero, and an
+                # AdamW step would only replay stale momentum (measured: it drove a converged
+                # policy from reward 1.0 to 0.5 with no gradient to pull it back).
+                no_signal += 1
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
         metrics = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
         metrics.update(
             grad_norm=grad_norm,
             skipped_step=float(skipped),
+            no_signal_step=float(no_signal),
             response_tokens=num_tokens,
             lr=float(self.optimizer.param_groups[0]["lr"]),
         )
