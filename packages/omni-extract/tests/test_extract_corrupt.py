@@ -151,3 +151,19 @@ def test_truncated_shard(tiny_omni_dir, tmp_path):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     _fails(src, tmp_path, CorruptShardError, r"model-00003-of-00003\.safetensors")
+
+
+def test_expected_names_accept_the_flat_thinker_layout_of_older_transformers():
+    """transformers 5.17 names the thinker's parts ``audio_tower.*``/``visual.*``/``model.*``."""
+    from omni_extract.expected import _match_in_memory
+
+    nested = _match_in_memory("model.audio_tower.layers.0.fc1.weight")
+    flat = _match_in_memory("audio_tower.layers.0.fc1.weight")
+    assert flat is not None and nested is not None
+    assert flat.name_in("hub") == nested.name_in("hub") == "thinker.audio_tower.layers.0.fc1.weight"
+    text = _match_in_memory("model.layers.1.self_attn.q_proj.weight")
+    assert text is not None
+    assert text.name_in("hub") == "thinker.model.layers.1.self_attn.q_proj.weight"
+    assert _match_in_memory("visual.blocks.0.attn.qkv.weight").name_in("hub") == (
+        "thinker.visual.blocks.0.attn.qkv.weight"
+    )
