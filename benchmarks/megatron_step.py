@@ -71,8 +71,8 @@ def matmul_rate(device: torch.device) -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
 
 
-def time_step(th, ids, pos, iters: int, warmup: int, loss: str = "chunked") -> list[float]:
-    from omni_grpo.backends.megatron._mcore import mcore
+def time_step(th, ids, pos, iters: int, warmup: int, loss: str = "vocab_parallel") -> list[float]:
+    from omni_grpo.algo import token_logprobs_from_logits
     from omni_grpo.backends.megatron.train import vocab_parallel_logprobs
 
     times = []
@@ -80,12 +80,10 @@ def time_step(th, ids, pos, iters: int, warmup: int, loss: str = "chunked") -> l
         torch.cuda.synchronize()
         t = time.perf_counter()
         logits = th(ids, pos)
-        if (
-            loss == "chunked"
-        ):  # what the trainer does at tp = 1 (shared omni_grpo.algo chunked logprobs)
+        if loss == "chunked":  # the shared omni_grpo.algo chunked logprobs (checkpointed chunks)
+            lp = token_logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+        else:  # what the trainer does: megatron's vocab-parallel cross entropy
             lp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:])
-        else:  # megatron's vocab-parallel cross entropy on the whole fp32 logits (the tp > 1 path)
-            lp = -mcore().vocab_parallel_cross_entropy(logits[:, :-1].float(), ids[:, 1:])
         (-lp.mean()).backward()
         torch.cuda.synchronize()
         if i >= warmup:
@@ -191,7 +189,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--no-sync", action="store_true")
-    ap.add_argument("--loss", choices=["chunked", "vocab_parallel"], default="chunked")
+    ap.add_argument("--loss", choices=["vocab_parallel", "chunked"], default="vocab_parallel")
     ap.add_argument(
         "--profile",
         action="store_true",
