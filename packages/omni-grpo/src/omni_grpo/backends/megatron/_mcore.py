@@ -29,6 +29,7 @@ def mcore() -> SimpleNamespace:
                 gather_from_sequence_parallel_region,
                 gather_from_tensor_model_parallel_region,
                 model_parallel_cuda_manual_seed,
+                reduce_from_tensor_model_parallel_region,
                 vocab_parallel_cross_entropy,
             )
             from megatron.core.transformer import TransformerConfig
@@ -50,6 +51,7 @@ def mcore() -> SimpleNamespace:
         gather_from_tensor_model_parallel_region=gather_from_tensor_model_parallel_region,
         model_parallel_cuda_manual_seed=model_parallel_cuda_manual_seed,
         vocab_parallel_cross_entropy=vocab_parallel_cross_entropy,
+        reduce_from_tensor_model_parallel_region=reduce_from_tensor_model_parallel_region,
     )
 
 

@@ -5,9 +5,9 @@ completion into prompt+response ids with EXPLICIT ``[3, L]`` M-RoPE positions fr
 (computed over the full sequence with the prompt's media), and runs the Megatron GRPO step.
 
 Scope, stated plainly: one process drives the model (``tp = ep = 1`` under the plain ``train``
-command, or every rank of a ``torchrun`` launch running the same loop); the reference model
-(``kl_coef > 0``), vocab-parallel entropy with ``tp > 1`` and the supervised format warm-up are
-refused with a clear error rather than approximated. Weight sync gets full HF tensors gathered
+command, or every rank of a ``torchrun`` launch running the same loop). The KL reference is a CPU
+copy of the initial weights swapped in for a no-grad forward; entropy is vocab-parallel. The
+supervised format warm-up is refused with a clear error rather than approximated. Weight sync gets full HF tensors gathered
 across TP/EP on every rank.
 """
 
@@ -53,14 +53,6 @@ class MegatronBackend:
     ) -> None:
         from omni_rope import OmniRopeConfig
 
-        if algo_cfg.kl_coef != 0:
-            raise NotImplementedError(
-                "trainer.backend megatron: algo.kl_coef > 0 needs a reference model, not implemented yet"
-            )
-        if algo_cfg.entropy_coef != 0:
-            raise NotImplementedError(
-                "trainer.backend megatron: algo.entropy_coef > 0 (vocab-parallel entropy) is not implemented yet"
-            )
         self.trainer = trainer
         self.cfg = trainer_cfg
         self.algo = algo_cfg

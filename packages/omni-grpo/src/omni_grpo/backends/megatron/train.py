@@ -108,6 +108,55 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torc
     return -mcore().vocab_parallel_cross_entropy(x, targets)
 
 
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats, float32) of ``softmax(logits)`` for vocab-sharded ``[..., V/tp]`` logits.
+
+    ``H = log Z + m - sum(p * z)`` with the max, the partition sum and ``sum(p * z)`` reduced over the
+    TP group; the reductions are megatron's all-reduce-forward / identity-backward region, so the
+    gradient of each shard is its exact share.
+    """
+    m = mcore()
+    z = logits.float()
+    zmax = z.detach().amax(-1, keepdim=True)
+    tp = m.parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        dist.all_reduce(
+            zmax, op=dist.ReduceOp.MAX, group=m.parallel_state.get_tensor_model_parallel_group()
+        )
+    e = torch.exp(z - zmax)
+    sum_e = e.sum(-1, keepdim=True)
+    sum_ez = (e * z).sum(-1, keepdim=True)
+    if tp > 1:
+        sum_e = m.reduce_from_tensor_model_parallel_region(sum_e)
+        sum_ez = m.reduce_from_tensor_model_parallel_region(sum_ez)
+    return (torch.log(sum_e) + zmax - sum_ez / sum_e).squeeze(-1)
+
+
+class ReferencePolicy:
+    """The reference model for the KL term: a CPU copy of the initial trainable shards, swapped in
+    for a no-grad forward (as miles keeps it), so no second model is ever resident on the GPU."""
+
+    def __init__(self, thinker: MegatronThinker) -> None:
+        self.params = [p for _, p in thinker.trainable_parameters()]
+        self.cpu = [p.detach().to("cpu", copy=True) for p in self.params]
+
+    def swapped(self) -> Any:
+        from contextlib import contextmanager
+
+        @contextmanager
+        def ctx() -> Any:
+            live = [p.data for p in self.params]
+            try:
+                for p, ref in zip(self.params, self.cpu, strict=True):
+                    p.data = ref.to(p.device, non_blocking=True)
+                yield
+            finally:
+                for p, data in zip(self.params, live, strict=True):
+                    p.data = data
+
+        return ctx()
+
+
 @dataclass
 class GRPOBatch:
     """The step's samples, already tokenised and positioned (one row per completion).
@@ -159,6 +208,7 @@ class MegatronTrainer:
             weight_decay=trainer_cfg.weight_decay,
         )
         self.device = next(thinker.lm.parameters()).device
+        self.reference = ReferencePolicy(thinker) if algo_cfg.kl_coef != 0 else None
         self.pad_multiple = self.mcfg.tp if thinker.lm.config.sequence_parallel else 1
 
     def _micro(self, batch: GRPOBatch, idx: list[int]) -> dict[str, Any]:
@@ -195,11 +245,16 @@ class MegatronTrainer:
             **{k: v.to(dev) for k, v in per_tok.items()},
         )
 
-    def logprobs(self, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
-        logits = self.thinker(micro["ids"], micro["pos"], micro["mm"])  # [B, S, V/tp]
+    def logprobs(
+        self, micro: dict[str, Any], temperature: float = 1.0, *, entropy: bool = False
+    ) -> Any:
+        """Token logprobs ``[B, S-1]`` (and per-token entropy when asked) of the micro-batch."""
+        logits = self.thinker(micro["ids"], micro["pos"], micro["mm"])[:, :-1]  # [B, S-1, V/tp]
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
-        return vocab_parallel_logprobs(logits[:, :-1], micro["ids"][:, 1:])
+        ent = vocab_parallel_entropy(logits) if entropy else None
+        logp = vocab_parallel_logprobs(logits, micro["ids"][:, 1:])
+        return (logp, ent) if entropy else logp
 
     def step(self, batch: GRPOBatch) -> dict[str, float]:
         lengths = [len(x) for x in batch.input_ids]
@@ -209,9 +264,13 @@ class MegatronTrainer:
         self.thinker.lm.train()
         self.optim.zero_grad()
         totals: dict[str, float] = {}
-        for idx in plan:
-            micro = self._micro(batch, idx)
-            logp = self.logprobs(micro, batch.temperature)
+        micros = [self._micro(batch, idx) for idx in plan]
+        if self.reference is not None:
+            with torch.no_grad(), self.reference.swapped():
+                for micro in micros:
+                    micro["ref_logp"] = self.logprobs(micro, batch.temperature)
+        for idx, micro in zip(plan, micros, strict=True):
+            logp, ent = self.logprobs(micro, batch.temperature, entropy=self.algo.entropy_coef != 0)
             old = micro.get("old_logp")
             if old is None and not self.algo.use_rollout_logprobs:
                 old = logp.detach()  # on-policy single epoch: ratio 1
@@ -223,6 +282,7 @@ class MegatronTrainer:
                 self.algo,
                 ref_logp=micro.get("ref_logp"),
                 rollout_logp=micro.get("rollout_logp"),
+                entropy=ent,
                 num_samples=num_samples,
                 num_tokens=num_tokens,
             )
