@@ -245,16 +245,18 @@ class MegatronTrainer:
             **{k: v.to(dev) for k, v in per_tok.items()},
         )
 
-    def logprobs(
+    def logprobs_and_entropy(
         self, micro: dict[str, Any], temperature: float = 1.0, *, entropy: bool = False
-    ) -> Any:
-        """Token logprobs ``[B, S-1]`` (and per-token entropy when asked) of the micro-batch."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token logprobs ``[B, S-1]`` and (when asked) per-token entropy of the micro-batch."""
         logits = self.thinker(micro["ids"], micro["pos"], micro["mm"])[:, :-1]  # [B, S-1, V/tp]
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
         ent = vocab_parallel_entropy(logits) if entropy else None
-        logp = vocab_parallel_logprobs(logits, micro["ids"][:, 1:])
-        return (logp, ent) if entropy else logp
+        return vocab_parallel_logprobs(logits, micro["ids"][:, 1:]), ent
+
+    def logprobs(self, micro: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+        return self.logprobs_and_entropy(micro, temperature)[0]
 
     def step(self, batch: GRPOBatch) -> dict[str, float]:
         lengths = [len(x) for x in batch.input_ids]
@@ -270,7 +272,9 @@ class MegatronTrainer:
                 for micro in micros:
                     micro["ref_logp"] = self.logprobs(micro, batch.temperature)
         for idx, micro in zip(plan, micros, strict=True):
-            logp, ent = self.logprobs(micro, batch.temperature, entropy=self.algo.entropy_coef != 0)
+            logp, ent = self.logprobs_and_entropy(
+                micro, batch.temperature, entropy=self.algo.entropy_coef != 0
+            )
             old = micro.get("old_logp")
             if old is None and not self.algo.use_rollout_logprobs:
                 old = logp.detach()  # on-policy single epoch: ratio 1
