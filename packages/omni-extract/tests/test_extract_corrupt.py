@@ -155,7 +155,7 @@ def test_truncated_shard(tiny_omni_dir, tmp_path):
 
 def test_expected_names_accept_the_flat_thinker_layout_of_older_transformers():
     """transformers 5.17 names the thinker's parts ``audio_tower.*``/``visual.*``/``model.*``."""
-    from omni_extract.expected import _match_in_memory
+    from omni_extract.names import match_in_memory as _match_in_memory
 
     nested = _match_in_memory("model.audio_tower.layers.0.fc1.weight")
     flat = _match_in_memory("audio_tower.layers.0.fc1.weight")
@@ -167,3 +167,21 @@ def test_expected_names_accept_the_flat_thinker_layout_of_older_transformers():
     assert _match_in_memory("visual.blocks.0.attn.qkv.weight").name_in("hub") == (
         "thinker.visual.blocks.0.attn.qkv.weight"
     )
+
+
+def test_weight_sync_names_accept_the_flat_thinker_layout_of_older_transformers():
+    import torch
+    from omni_extract.names import to_server_name, to_server_tensors
+
+    assert (
+        to_server_name("model.layers.0.mlp.gate.weight") == "thinker.model.layers.0.mlp.gate.weight"
+    )
+    flat = [
+        ("visual.merger_list.0.ln_q.weight", torch.zeros(4)),
+        ("audio_tower.conv_out.weight", torch.zeros(2, 2)),
+        ("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(4, 32, 64)),
+        ("lm_head.weight", torch.zeros(3, 64)),
+    ]
+    out = dict(to_server_tensors(flat, layout="hf_memory", towers="skip"))
+    assert set(out) == {"thinker.lm_head.weight", "thinker.model.layers.0.mlp.experts.gate_up_proj"}
+    assert out["thinker.model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)

@@ -14,32 +14,11 @@ from typing import Any
 import torch
 
 from omni_extract.errors import NotQwen3OmniError, UnmappedTensorError
-from omni_extract.names import NAME_TABLE, match
+from omni_extract.names import NAME_TABLE, match_in_memory
 
 # Per-expert rows by the fused tensor they come from, and how a fused shape splits into them.
 _EXPERT_ROWS = {row.fuse: row for row in NAME_TABLE if row.fuse is not None}
 _SPLIT: dict[str, tuple[str, ...]] = {"gate_up": ("gate", "up"), "down": ("down",)}
-
-
-# transformers releases before the thinker's ``model.{language_model,visual,audio_tower}`` nesting
-# (e.g. 5.17, the GPU machine's version) keep the towers and the text model at the top level of the
-# thinker. Their in-memory names are rewritten to the nested form before the table lookup, so one
-# table serves both; a name that matches as it is never gets rewritten.
-_LEGACY_THINKER_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("audio_tower.", "model.audio_tower."),
-    ("visual.", "model.visual."),
-    ("model.", "model.language_model."),
-)
-
-
-def _match_in_memory(name: str):
-    found = match(name, "hf_omni")
-    if found is not None:
-        return found
-    for old, new in _LEGACY_THINKER_PREFIXES:
-        if name.startswith(old):
-            return match(new + name[len(old) :], "hf_omni")
-    return None
 
 
 def _per_expert_shape(fused: str, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -66,7 +45,7 @@ def expected_thinker_tensors(thinker_config: dict[str, Any]) -> dict[str, tuple[
         ) from exc
     out: dict[str, tuple[int, ...]] = {}
     for name, tensor in model.state_dict().items():
-        found = _match_in_memory(name)
+        found = match_in_memory(name)
         if found is None:
             raise UnmappedTensorError(
                 f"transformers' thinker has a parameter {name!r} that omni_extract.names does not "

@@ -244,6 +244,36 @@ def match(name: str, layout: Layout) -> NameMatch | None:
     return None
 
 
+# transformers releases before the thinker's ``model.{language_model,visual,audio_tower}`` nesting
+# (e.g. 5.17, the GPU machine's version) keep the towers and the text model at the top level of the
+# thinker. Their in-memory names are rewritten to the nested form before the table lookup, so one
+# table serves both; a name that matches as it is never gets rewritten.
+LEGACY_THINKER_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("audio_tower.", "model.audio_tower."),
+    ("visual.", "model.visual."),
+    ("model.", "model.language_model."),
+)
+
+
+def match_in_memory(name: str) -> NameMatch | None:
+    """Resolve a thinker in-memory name, nested (current transformers) or flat (older releases)."""
+    found = match(name, "hf_omni")
+    if found is not None:
+        return found
+    for old, new in LEGACY_THINKER_PREFIXES:
+        if name.startswith(old):
+            return match(new + name[len(old) :], "hf_omni")
+    return None
+
+
+def _match_sync_source(name: str) -> NameMatch | None:
+    for layout in SYNC_SOURCES:
+        found = match(name, layout)
+        if found is not None:
+            return found
+    return match_in_memory(name)
+
+
 def match_hub(name: str) -> NameMatch:
     """Resolve a hub tensor name; any ``thinker.*`` name the table does not know is an error."""
     found = match(name, "hub")
@@ -260,11 +290,8 @@ def match_hub(name: str) -> NameMatch:
 
 def is_server_syncable(name: str) -> bool:
     """Whether weight sync can send this (VL, text, in-memory or server) tensor to sglang-omni."""
-    for layout in SYNC_SOURCES:
-        found = match(name, layout)
-        if found is not None:
-            return not found.row.frozen and found.row.server is not None
-    return False
+    found = _match_sync_source(name)
+    return found is not None and not found.row.frozen and found.row.server is not None
 
 
 def to_server_name(name: str) -> str:
@@ -273,10 +300,8 @@ def to_server_name(name: str) -> str:
     Fused experts keep their fused form (``...mlp.experts.gate_up_proj``); per-expert names stay
     per-expert. Tower tensors raise ``FrozenTensorError``; unknown names ``UnmappedTensorError``.
     """
-    for layout in SYNC_SOURCES:
-        found = match(name, layout)
-        if found is None:
-            continue
+    found = _match_sync_source(name)
+    if found is not None:
         if found.row.frozen:
             raise FrozenTensorError(
                 f"{name!r} belongs to a frozen tower ({found.row.key}); the sglang-omni encoders "
@@ -332,8 +357,5 @@ def to_server_tensors(
 
 
 def _is_tower(name: str) -> bool:
-    for layout in SYNC_SOURCES:
-        found = match(name, layout)
-        if found is not None:
-            return found.row.frozen
-    return False
+    found = _match_sync_source(name)
+    return found is not None and found.row.frozen
