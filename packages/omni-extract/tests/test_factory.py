@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from omni_extract.testing import TinyOmniSpec, make_tiny_omni
-from omni_extract.tokens import REAL_IDS
+from omni_extract.tokens import MEDIA_TOKEN_ID_FIELDS, REAL_IDS
 from safetensors import safe_open
 
 
@@ -71,15 +71,7 @@ def test_real_vocab_reproduces_released_ids(tiny_omni_real_vocab_dir):
     cfg = json.loads((tiny_omni_real_vocab_dir / "config.json").read_text())
     th = cfg["thinker_config"]
     assert th["text_config"]["vocab_size"] == 152064
-    for key in (
-        "audio_token_id",
-        "audio_start_token_id",
-        "audio_end_token_id",
-        "image_token_id",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-    ):
+    for key in MEDIA_TOKEN_ID_FIELDS:
         assert th[key] == REAL_IDS[key], key
     assert [tok.convert_tokens_to_ids(t) for t in ("<|audio_start|>", "<|audio_pad|>")] == [
         151669,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from omni_extract.tokens import (
+    MEDIA_TOKEN_ID_FIELDS,
     OMNI_EXTRA_SPECIALS,
     PROCESSOR_TOKEN_ATTRS,
     QWEN3_BASE_SPECIALS,
@@ -441,16 +442,7 @@ def load_ids(checkpoint: str | os.PathLike[str]) -> dict[str, int]:
     """Special-token ids of an Omni checkpoint, read from its ``config.json``."""
     cfg = json.loads((Path(checkpoint) / "config.json").read_text())
     th = cfg["thinker_config"]
-    keys = (
-        "audio_token_id",
-        "audio_start_token_id",
-        "audio_end_token_id",
-        "image_token_id",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-    )
-    out = {k: th[k] for k in keys if k in th}
+    out = {k: th[k] for k in MEDIA_TOKEN_ID_FIELDS if k in th}
     for k in ("im_start_token_id", "im_end_token_id", "tts_pad_token_id"):
         if k in cfg:
             out[k] = cfg[k]

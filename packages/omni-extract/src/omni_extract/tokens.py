@@ -37,6 +37,18 @@ OMNI_EXTRA_SPECIALS: tuple[tuple[str, str | None], ...] = (
     ("<|audio_pad|>", "audio_token_id"),
 )
 
+# Thinker-config fields carrying a media token's id (placeholders and segment markers): every Omni
+# checkpoint's ``thinker_config`` has them, and omni-extract copies them into the VL sideband.
+MEDIA_TOKEN_ID_FIELDS: tuple[str, ...] = (
+    "audio_token_id",
+    "audio_start_token_id",
+    "audio_end_token_id",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
 # Attribute names the Omni processor reads from the tokenizer (`tokenizer.image_token` etc.).
 PROCESSOR_TOKEN_ATTRS: dict[str, str] = {
     "image_token": "<|image_pad|>",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from omni_extract.tokens import MEDIA_TOKEN_ID_FIELDS
 
 from omni_grpo.algo import group_advantages
 from omni_grpo.backends import create_backend
@@ -103,15 +104,7 @@ def prepare_data(data: DataConfig, run_dir: Path) -> DataConfig:
 
 # Media marker tokens a completion must never contain: a sampled <|vision_end|> or <|audio_pad|>
 # would make the recompute look for media segments that do not exist.
-MEDIA_TOKEN_FIELDS: tuple[str, ...] = (
-    "audio_token_id",
-    "audio_start_token_id",
-    "audio_end_token_id",
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-)
+MEDIA_TOKEN_FIELDS: tuple[str, ...] = MEDIA_TOKEN_ID_FIELDS
 
 
 def media_token_ids(model: Any) -> list[int]:

@@ -11,16 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_extract.tokens import MEDIA_TOKEN_ID_FIELDS
+
 # Token ids the thinker needs, each a required sideband field.
-REQUIRED_IDS: tuple[str, ...] = (
-    "audio_token_id",
-    "audio_start_token_id",
-    "audio_end_token_id",
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-)
+REQUIRED_IDS: tuple[str, ...] = MEDIA_TOKEN_ID_FIELDS
 # Ids that must never be sampled into a completion: a teacher-forced forward over the completion
 # would look for media features (or a media segment after a start marker) that do not exist.
 PLACEHOLDER_ID_FIELDS: tuple[str, ...] = (
