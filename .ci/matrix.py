@@ -47,7 +47,7 @@ def local_deps(name: str, seen: set[str] | None = None) -> list[str]:
 
 def constraints() -> Path:
     exported = subprocess.run(
-        ["uv", "export", "--frozen", "--no-hashes", "--all-packages", "--all-extras", "--no-emit-workspace"],
+        ["uv", "export", "--frozen", "--no-hashes", "--all-packages", "--all-extras", "--no-extra", "server", "--no-emit-workspace"],
         cwd=ROOT, check=True, capture_output=True, text=True,
     ).stdout
     lines = [ln for ln in exported.splitlines() if ln and not ln.lstrip().startswith(("-e", "#", "."))]
