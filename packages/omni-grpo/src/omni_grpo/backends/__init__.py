@@ -9,25 +9,20 @@ same way in their own ``pyproject.toml``.
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 from typing import Any
+
+from omni_grpo.plugins import load_plugin, plugin_names
 
 BACKENDS_GROUP = "omni_grpo.backends"
 
 
 def available_backends() -> list[str]:
-    return sorted(ep.name for ep in entry_points(group=BACKENDS_GROUP))
+    return plugin_names(BACKENDS_GROUP)
 
 
 def backend_factory(name: str) -> Any:
     """The factory registered under ``name``; a clear error lists the known names."""
-    matches = [ep for ep in entry_points(group=BACKENDS_GROUP) if ep.name == name]
-    if not matches:
-        raise ValueError(
-            f"trainer.backend: no backend named {name!r} in entry-point group {BACKENDS_GROUP!r} "
-            f"(available: {available_backends()})"
-        )
-    return matches[0].load()
+    return load_plugin(BACKENDS_GROUP, name, what="trainer.backend", kind="backend")
 
 
 def create_backend(

@@ -9,8 +9,9 @@ remote engines, which take their server settings only.
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 from typing import Any
+
+from omni_grpo.plugins import load_plugin, plugin_names
 
 ENGINES_GROUP = "omni_grpo.rollout_engines"
 
@@ -19,17 +20,11 @@ IN_PROCESS = frozenset({"embedded"})
 
 
 def available_engines() -> list[str]:
-    return sorted(ep.name for ep in entry_points(group=ENGINES_GROUP))
+    return plugin_names(ENGINES_GROUP)
 
 
 def engine_class(name: str) -> Any:
-    matches = [ep for ep in entry_points(group=ENGINES_GROUP) if ep.name == name]
-    if not matches:
-        raise ValueError(
-            f"rollout.engine: no engine named {name!r} in entry-point group {ENGINES_GROUP!r} "
-            f"(available: {available_engines()})"
-        )
-    return matches[0].load()
+    return load_plugin(ENGINES_GROUP, name, what="rollout.engine", kind="engine")
 
 
 def create_engine(cfg: Any, **context: Any) -> Any:
