@@ -22,14 +22,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from omni_grpo.atomic_dir import staged_dir
 
 LETTERS = ("A", "B")
 AUDIO_SAMPLE_RATE = 16_000
@@ -205,19 +205,11 @@ def generate_synthetic(
         )
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists, is not empty and is not a synthetic dataset")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         for split, n in (("train", n_train), ("eval", n_eval)):
             rows = _rows(split, tasks, n, tmp, seed)
             with open(tmp / f"{split}.jsonl", "w") as f:
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
         (tmp / "synthetic.json").write_text(json.dumps(params))
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out / "train.jsonl", out / "eval.jsonl"

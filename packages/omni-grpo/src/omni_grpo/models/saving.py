@@ -8,11 +8,11 @@ the saved directory is self-contained; the audio tower is not (it is frozen), on
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from omni_grpo.atomic_dir import staged_dir
 
 if TYPE_CHECKING:
     from omni_grpo.models.thinker import OmniThinker
@@ -30,9 +30,7 @@ def save_thinker(thinker: OmniThinker, dst: Path, **kwargs: Any) -> Path:
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with staged_dir(dst) as tmp:
         for item in sorted(thinker.source_dir.iterdir()):
             if item.is_file() and item.suffix in ASSET_SUFFIXES and item.name not in NOT_ASSETS:
                 shutil.copy2(item, tmp / item.name)
@@ -45,12 +43,6 @@ def save_thinker(thinker: OmniThinker, dst: Path, **kwargs: Any) -> Path:
         if thinker.audio_dir is not None:
             pointer = {"audio_dir": str(thinker.audio_dir.resolve())}
             (tmp / AUDIO_POINTER).write_text(json.dumps(pointer, indent=2) + "\n")
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from omni_grpo.atomic_dir import staged_dir
 
 STATE_FILE = "state.json"
 LATEST = "latest"
@@ -112,21 +113,15 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(Path(run_dir), state.step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
+    # replace_existing: re-saving the same step (e.g. the final save after a periodic one).
+    with staged_dir(final, replace_existing=True) as tmp:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
         payload = {"format": FORMAT_VERSION, **asdict(state)}
         (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2))
         _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _fsync_dir(root)
     pointer_tmp = root / f".{LATEST}.tmp"
     pointer_tmp.write_text(final.name + "\n")
     os.replace(pointer_tmp, root / LATEST)
