@@ -6,7 +6,8 @@ fewer layers so it fits on a laptop disk), written directly as safetensors shard
 cut through a layer's experts, as on the hub. Then, in the same run and on the same disk:
 
 * ``copy``: ``shutil.copyfile`` of the same shard files (the physical limit of any rewrite);
-* ``vl``: ``omni_extract.extract(..., variant="vl")`` in a subprocess (peak RSS = its ru_maxrss);
+* ``vl``: ``omni_extract.extract(..., variant="vl")`` in a subprocess (peak RSS = its VmHWM: ``ru_maxrss`` would
+  carry over the generating parent's peak, since Linux keeps it across fork and exec);
 * ``naive``: ``Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained`` + ``save_pretrained``
   in a subprocess.
 
@@ -144,8 +145,17 @@ def run_copy(src: Path, dst: Path) -> float:
 
 # Imports are timed separately: this environment sets PYTHONDONTWRITEBYTECODE, so importing
 # transformers recompiles it in every process (~10 s under load) — a fixed cost, not throughput.
-_CHILD_VL = """
-import json, resource, sys, time
+# Peak RSS of THIS address space: VmHWM starts afresh at exec, unlike ru_maxrss, which a child
+# inherits from the (checkpoint-generating, multi-GB) parent across fork + exec.
+_PEAK_RSS = """
+def peak_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+"""
+_CHILD_VL = _PEAK_RSS + """
+import json, sys, time
 t0 = time.perf_counter()
 from omni_extract import extract
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
@@ -154,10 +164,10 @@ t0 = time.perf_counter()
 r = extract(sys.argv[1], sys.argv[2], variant="vl", shard_size=int(sys.argv[3]))
 dt = time.perf_counter() - t0
 print(json.dumps({"seconds": dt, "import_seconds": import_s, "bytes": r.num_bytes, "shards": len(r.shards),
-                  "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "max_rss_bytes": peak_rss()}))
 """
-_CHILD_NAIVE = """
-import json, resource, sys, time
+_CHILD_NAIVE = _PEAK_RSS + """
+import json, sys, time
 t0 = time.perf_counter()
 import torch
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
@@ -166,7 +176,7 @@ t0 = time.perf_counter()
 m = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
 m.save_pretrained(sys.argv[2], max_shard_size=int(sys.argv[3]))
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "import_seconds": import_s, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"seconds": dt, "import_seconds": import_s, "max_rss_bytes": peak_rss()}))
 """
 
 
