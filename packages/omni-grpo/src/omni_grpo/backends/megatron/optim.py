@@ -8,10 +8,13 @@ truncated or tiny thinker; Megatron's distributed optimizer needs its DDP wrappe
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class MasterAdamW:
@@ -33,10 +36,27 @@ class MasterAdamW:
         for p in self.params:
             p.grad = None
 
+    def _follow_params(self) -> None:
+        """Keep each master (and its AdamW state) on its parameter's device.
+
+        A parameter can change device after the optimizer was built (a model moved to the GPU after
+        construction, or a weight swapped in through ``.data``); the master must follow, or the
+        gradient hand-off fails with a device mismatch.
+        """
+        for i, (p, m) in enumerate(zip(self.params, self.masters, strict=True)):
+            if m.device == p.device:
+                continue
+            log.warning("fp32 master %d follows its parameter from %s to %s", i, m.device, p.device)
+            m.data = m.data.to(p.device)
+            for key, value in self.opt.state.get(m, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    self.opt.state[m][key] = value.to(p.device)
+
     def step(self, grad_scale: float = 1.0) -> bool:
         """Apply one update with grads multiplied by ``grad_scale``; False (skipped) if non-finite."""
         if not math.isfinite(grad_scale):
             return False
+        self._follow_params()
         for p, m in zip(self.params, self.masters, strict=True):
             m.grad = None if p.grad is None else p.grad.float() * grad_scale
         self.opt.step()
