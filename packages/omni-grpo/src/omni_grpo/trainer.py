@@ -426,6 +426,9 @@ def train(
         logger.close()
         if sync is not None:
             sync.close()
+        close_engine = getattr(engine, "close", None)  # remote engines hold HTTP connection pools
+        if close_engine is not None:
+            close_engine()
     plots = plot_run(run_dir) if cfg.run.plots and state.step == cfg.run.steps else []
     return TrainResult(run_dir, state.step, last_eval, plots, time.perf_counter() - t_start)
 
