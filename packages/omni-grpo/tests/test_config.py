@@ -167,3 +167,17 @@ def test_dump_roundtrip(tmp_path: Path) -> None:
     cfg = load_config(None, ["algo.kl_coef=0.01", "run.dir=/tmp/r"])
     again = load_config(_write(tmp_path, dump_config(cfg)))
     assert again == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "known"),
+    [
+        ("rollout.engine=vllm", "rollout.engine", "sglang-omni"),
+        ("trainer.backend=fsdp", "trainer.backend", "megatron"),
+    ],
+)
+def test_engines_and_backends_are_entry_point_names(override, field, known):
+    """Engines/backends are plugins: any registered name is valid, a typo lists the real ones."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert field in str(err.value) and known in str(err.value)

@@ -34,6 +34,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _registered(group: str, name: str, kind: str) -> str:
+    """``name`` if an entry point of ``group`` carries it: engines and backends are plugins, so a
+    third-party package can add one, and a typo fails at config time with the names that exist."""
+    from omni_grpo.plugins import plugin_names
+
+    names = plugin_names(group)
+    if name not in names:
+        raise ValueError(
+            f"no {kind} named {name!r} in entry-point group {group!r} (available: {names})"
+        )
+    return name
+
+
 # --------------------------------------------------------------------------------------------- run
 class RunConfig(_Strict):
     dir: Path = Path("runs/default")
@@ -143,7 +156,11 @@ class SglangOmniConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["embedded", "sglang-omni"] = "embedded"
+    engine: str = Field(
+        "embedded",
+        description="a name in the omni_grpo.rollout_engines entry-point group "
+        "(built in: embedded, sglang-omni)",
+    )
     n_samples: int = Field(
         8, gt=1, description="group size; GRPO needs at least 2 samples per prompt"
     )
@@ -151,6 +168,11 @@ class RolloutConfig(_Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     eval_sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
     sglang: SglangOmniConfig = Field(default_factory=SglangOmniConfig)
+
+    @field_validator("engine")
+    @classmethod
+    def _registered_engine(cls, name: str) -> str:
+        return _registered("omni_grpo.rollout_engines", name, "rollout engine")
 
     @model_validator(mode="after")
     def _sglang_needs_urls(self) -> RolloutConfig:
@@ -238,7 +260,16 @@ class MegatronConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: str = Field(
+        "torch",
+        description="a name in the omni_grpo.backends entry-point group (built in: torch, megatron)",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, name: str) -> str:
+        return _registered("omni_grpo.backends", name, "trainer backend")
+
     device: Literal["auto", "cpu", "cuda"] = "auto"
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
