@@ -63,11 +63,15 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     of a larger row-major block (only its row stride may differ). Bit-exact; converts dtype first."""
     if dst.dtype != src.dtype:
         src = src.to(dst.dtype)
-    src = src.contiguous()
-    d, s = _bits(dst), _bits(src)
+    transpose_bits_into(_bits(dst), _bits(src.contiguous()))
+
+
+def transpose_bits_into(d: np.ndarray, s: np.ndarray) -> None:
+    """``d[:] = s.T`` on integer views of equal item size. ``s`` may be a read-only array over
+    memory-mapped file pages: it is only read, so the source needs no copy into a buffer first."""
     rows, cols = s.shape
     k = WORD_BYTES // s.itemsize  # columns per wide word
-    if k <= 1 or cols % k or d.strides[1] != s.itemsize:
+    if k <= 1 or cols % k or d.strides[1] != s.itemsize or not s.flags.c_contiguous:
         _banded_transpose(d, s)
         return
     words = scratch("words", (cols // k, rows), torch.int64).numpy()

@@ -11,11 +11,14 @@ unchanged. The files are plain safetensors (8-byte little-endian header length, 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from omni_extract.source import TORCH_TO_ST
@@ -77,7 +80,7 @@ class ShardWriter:
         self._pending = list(reversed(tensors))
         self._current: PlannedTensor | None = None
         self._remaining = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         write_all(self._fd, memoryview(_header(tensors, metadata)))
 
     def begin(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -115,8 +118,8 @@ class ShardWriter:
     def reserve(self) -> tuple[int, int]:
         """Claim the rest of the current tensor for positional writes: ``(fd, absolute offset)``.
 
-        Worker threads then fill the region with ``pwrite_all`` in any order, in parallel; the
-        file position moves past it so later tensors append as usual.
+        Worker threads then fill the region (through a ``MappedRegion`` or ``pwrite_all``) in any
+        order, in parallel; the file position moves past it so later tensors append as usual.
         """
         if self._current is None:
             raise RuntimeError(f"{self.path}: reserve() outside a tensor")
@@ -153,3 +156,43 @@ class ShardWriter:
 
     def abort(self) -> None:
         os.close(self._fd)
+
+
+class MappedRegion:
+    """A writable shared map of ``[start, start + nbytes)`` of an open file, for parallel fills.
+
+    Why not ``pwrite``: buffered writes to one ext4 file take the inode lock exclusively, so
+    worker threads writing their expert blocks serialise and spin on it, and every byte is copied
+    twice (into a buffer, then into the page cache). Through a shared map the transpose writes
+    straight into the page-cache pages, and page faults on different pages run in parallel.
+    The blocks are allocated up front (``posix_fallocate``) so a full disk is an ``OSError`` here,
+    not a SIGBUS on a later page fault. Dirty pages dropped from the map (``release``) stay in the
+    page cache and are written back as usual; nothing is lost when the map is closed.
+    """
+
+    def __init__(self, fd: int, start: int, nbytes: int) -> None:
+        os.posix_fallocate(fd, start, nbytes)
+        self._skew = start % mmap.ALLOCATIONGRANULARITY
+        self._map = mmap.mmap(fd, self._skew + nbytes, offset=start - self._skew)
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable array over the region's bytes at ``offset`` (relative to ``start``)."""
+        count = 1
+        for d in shape:
+            count *= d
+        return np.frombuffer(self._map, dtype, count, self._skew + offset).reshape(shape)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Unmap the whole pages inside ``[offset, offset + nbytes)`` (data stays in the cache).
+
+        Only whole pages: a page shared with a neighbouring block may still be in use."""
+        first = self._skew + offset
+        lo = -(-first // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (first + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def close(self) -> None:
+        # An array from a failed worker may still be alive; the GC unmaps it then.
+        with contextlib.suppress(BufferError):
+            self._map.close()
