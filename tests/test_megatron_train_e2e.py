@@ -23,8 +23,7 @@ pytestmark = [
 
 def test_train_two_steps_with_megatron_backend(train_against_fake_server) -> None:
     pytest.importorskip("megatron.core")
-    from omni_grpo.sync.testing import expected_server_tensors
-    from safetensors import safe_open
+    from omni_grpo.sync.testing import expected_server_tensors, read_hub_tensors
 
     run = train_against_fake_server(
         [
@@ -44,11 +43,7 @@ def test_train_two_steps_with_megatron_backend(train_against_fake_server) -> Non
     versions = [r.weight_version for r in run.records if r.outcome == "ok"]
     assert versions[:12] == ["default"] * 12 and versions[12:] == ["step-1"] * 12
     pushed = run_dir / "weight_sync" / "step-2"
-    got = {}
-    for file in sorted(pushed.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                got[k] = f.get_tensor(k)
+    got = read_hub_tensors(pushed)
     hub = expected_server_tensors(omni)
     assert sorted(got) == sorted(hub)
     for name, tensor in hub.items():

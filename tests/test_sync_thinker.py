@@ -17,9 +17,8 @@ from omni_extract import extract
 from omni_grpo.config import SglangOmniConfig
 from omni_grpo.models import load_thinker
 from omni_grpo.sync import make_weight_sync
-from omni_grpo.sync.testing import ServerSideReceivers, expected_server_tensors
+from omni_grpo.sync.testing import ServerSideReceivers, expected_server_tensors, read_hub_tensors
 from omni_rollout_client.testing import FakeOmniServer
-from safetensors import safe_open
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +27,6 @@ def vl_dir(tiny_omni_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     extract(tiny_omni_dir, root / "vl", "vl")
     extract(tiny_omni_dir, root / "audio", "audio")
     return root / "vl"
-
-
-def _read_dir(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                out[k] = f.get_tensor(k)
-    return out
 
 
 def _bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -74,11 +64,11 @@ def test_thinker_disk_sync_round_trip(tmp_path: Path, vl_dir: Path, tiny_omni_di
         )
         try:
             report = sync.push(state, "0")
-            _bit_exact(_read_dir(tmp_path / "weight_sync" / "0"), expected)
+            _bit_exact(read_hub_tensors(tmp_path / "weight_sync" / "0"), expected)
             assert report.skipped_tower_tensors == sum(k.startswith("model.visual.") for k in state)
             expected.update(_step(thinker))
             sync.push(thinker.sync_state_dict(), "1")  # trainable only: visual frozen by default
-            _bit_exact(_read_dir(tmp_path / "weight_sync" / "1"), expected)
+            _bit_exact(read_hub_tensors(tmp_path / "weight_sync" / "1"), expected)
             assert server.weight_version == "1"
         finally:
             sync.close()

@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 
 import torch
-from omni_grpo.sync.testing import expected_server_tensors
-from safetensors import safe_open
+from omni_grpo.sync.testing import expected_server_tensors, read_hub_tensors
 
 
 def test_train_two_steps_with_sglang_omni_engine_and_disk_sync(train_against_fake_server) -> None:
@@ -27,11 +26,7 @@ def test_train_two_steps_with_sglang_omni_engine_and_disk_sync(train_against_fak
         len(versions) == 16 and versions[:8] == ["default"] * 8 and versions[8:] == ["step-1"] * 8
     )
     pushed = run_dir / "weight_sync" / "step-2"
-    got = {}
-    for file in sorted(pushed.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                got[k] = f.get_tensor(k)
+    got = read_hub_tensors(pushed)
     hub = expected_server_tensors(omni)
     assert sorted(got) == sorted(hub)
     for name, tensor in hub.items():

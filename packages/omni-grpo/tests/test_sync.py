@@ -19,11 +19,10 @@ from omni_grpo.sync import SkipWeightSync, WeightSync, WeightSyncError, make_wei
 from omni_grpo.sync.buckets import buckets
 from omni_grpo.sync.disk_writer import INDEX_NAME, MANIFEST_NAME
 from omni_grpo.sync.loop import BackgroundLoop
-from omni_grpo.sync.testing import expected_server_tensors
+from omni_grpo.sync.testing import expected_server_tensors, read_hub_tensors
 from omni_rollout_client.client import OmniRolloutClient
 from omni_rollout_client.errors import ActiveRequestsError
 from omni_rollout_client.testing import FakeGeneration, FakeOmniServer, FakeRequest
-from safetensors import safe_open
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +38,6 @@ def thinker_state(tiny_omni_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def expected(tiny_omni_dir: Path) -> dict[str, torch.Tensor]:
     return expected_server_tensors(tiny_omni_dir)
-
-
-def _read_dir(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                out[k] = f.get_tensor(k)
-    return out
 
 
 def _assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -105,7 +95,7 @@ def test_disk_sync_writes_server_names_bit_exact_and_updates(
         try:
             report = sync.push(thinker_state, "step-1", layout="hf_memory")
             wdir = tmp_path / "sync" / "step-1"
-            _assert_bit_exact(_read_dir(wdir), expected)
+            _assert_bit_exact(read_hub_tensors(wdir), expected)
             index = json.loads((wdir / INDEX_NAME).read_text())
             assert sorted(index["weight_map"]) == sorted(expected)
             manifest = json.loads((wdir / MANIFEST_NAME).read_text())
@@ -141,7 +131,7 @@ def test_disk_sync_vl_hub_layout_from_extracted_files(
 
     vl = tmp_path / "vl"
     extract(tiny_omni_dir, vl, "vl")
-    vl_tensors = _read_dir(vl)
+    vl_tensors = read_hub_tensors(vl)
     assert (
         vl_tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape
         == expected["thinker.model.layers.0.mlp.experts.gate_up_proj"].shape
@@ -151,7 +141,7 @@ def test_disk_sync_vl_hub_layout_from_extracted_files(
         sync = make_weight_sync(cfg, run_dir=tmp_path / "run")
         try:
             sync.push(iter(vl_tensors.items()), "v1", layout="vl_hub")
-            _assert_bit_exact(_read_dir(tmp_path / "run" / "weight_sync" / "v1"), expected)
+            _assert_bit_exact(read_hub_tensors(tmp_path / "run" / "weight_sync" / "v1"), expected)
             assert server.weight_version == "v1"
         finally:
             sync.close()
@@ -169,7 +159,7 @@ def test_wrong_layout_flag_is_not_silently_accepted(
             sync.push(thinker_state, "bad", layout="vl_hub")
         finally:
             sync.close()
-    got = _read_dir(tmp_path / "weight_sync" / "bad")
+    got = read_hub_tensors(tmp_path / "weight_sync" / "bad")
     name = "thinker.model.layers.0.mlp.experts.gate_up_proj"
     assert got[name].shape != expected[name].shape
 
