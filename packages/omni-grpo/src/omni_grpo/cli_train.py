@@ -16,8 +16,22 @@ from omni_grpo.cli import config_options
 @config_options
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in run.dir.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
-def train_command(cfg: Any, resume: bool, no_progress: bool) -> None:
+@click.option(
+    "--plan",
+    "plan_only",
+    is_flag=True,
+    help="Print where every rank and server goes; start nothing.",
+)
+@click.option(
+    "--gpus", type=int, default=None, help="With --plan: refuse a plan needing more GPUs than this."
+)
+def train_command(
+    cfg: Any, resume: bool, no_progress: bool, plan_only: bool, gpus: int | None
+) -> None:
     """Run GRPO as configured: prepare the model and data, then train, evaluate and checkpoint."""
+    if plan_only:
+        click.echo(plan_text(cfg, gpus))
+        return
     from omni_grpo.trainer import train
 
     logging.basicConfig(
@@ -32,6 +46,16 @@ def train_command(cfg: Any, resume: bool, no_progress: bool) -> None:
     }
     (Path(result.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     click.echo(json.dumps(summary))
+
+
+def plan_text(cfg: Any, gpus: int | None = None) -> str:
+    """``--plan``: the placement as text; an impossible layout is a one-line usage error."""
+    from omni_grpo.ray.placement import PlacementError, format_plan, plan_run
+
+    try:
+        return format_plan(plan_run(cfg, available_gpus=gpus), cfg)
+    except PlacementError as err:
+        raise click.UsageError(str(err)) from None
 
 
 @click.command("eval")

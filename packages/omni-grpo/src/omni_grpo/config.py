@@ -143,6 +143,28 @@ class SamplingParams(_Strict):
         return SamplingConfig(**self.model_dump())
 
 
+class SglangLaunchConfig(_Strict):
+    """Servers the driver starts itself, each as a Ray actor running ``omni-grpo serve``.
+
+    ``kind: fake`` starts the project's contract-faithful fake server (omni_rollout_client's
+    testing fake) through the very same launcher code path; it exists for CPU tests only.
+    """
+
+    servers: int = Field(1, ge=1)
+    gpus_per_server: int = Field(1, ge=0, description="0 only for kind: fake (CPU)")
+    kind: Literal["sglang-omni", "fake"] = "sglang-omni"
+    model_path: Path | None = Field(None, description="default: model.omni_checkpoint")
+    extra_args: list[str] = Field(default_factory=list, description="appended to the server argv")
+    ready_timeout_s: float = Field(900.0, gt=0, description="health wait deadline per server")
+    cpus_per_server: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _gpus_for_real_servers(self) -> SglangLaunchConfig:
+        if self.kind == "sglang-omni" and self.gpus_per_server < 1:
+            raise ValueError("gpus_per_server must be >= 1 for kind 'sglang-omni' (GPU only)")
+        return self
+
+
 class SglangOmniConfig(_Strict):
     urls: list[str] = Field(default_factory=list)
     router_url: str | None = None
@@ -153,6 +175,18 @@ class SglangOmniConfig(_Strict):
     sync_mode: Literal["skip", "distributed", "disk"] = "disk"
     sync_dir: Path | None = None
     bucket_mb: int = Field(512, ge=1)
+    launch: SglangLaunchConfig | None = Field(
+        None, description="start servers as Ray actors (their URLs join `urls`)"
+    )
+
+
+class EmbeddedRolloutConfig(_Strict):
+    """The embedded engine as ``actors`` Ray rollout actors, each holding a policy copy that the
+    driver refreshes after every step over a real process group (0 = in the trainer process)."""
+
+    actors: int = Field(0, ge=0)
+    cpus_per_actor: float = Field(0.5, gt=0)
+    sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
 class RolloutConfig(_Strict):
@@ -168,6 +202,7 @@ class RolloutConfig(_Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     eval_sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
     sglang: SglangOmniConfig = Field(default_factory=SglangOmniConfig)
+    embedded: EmbeddedRolloutConfig = Field(default_factory=EmbeddedRolloutConfig)
 
     @field_validator("engine")
     @classmethod
@@ -176,8 +211,12 @@ class RolloutConfig(_Strict):
 
     @model_validator(mode="after")
     def _sglang_needs_urls(self) -> RolloutConfig:
-        if self.engine == "sglang-omni" and not (self.sglang.urls or self.sglang.router_url):
-            raise ValueError("engine 'sglang-omni' needs sglang.urls or sglang.router_url")
+        if self.engine == "sglang-omni" and not (
+            self.sglang.urls or self.sglang.router_url or self.sglang.launch
+        ):
+            raise ValueError(
+                "engine 'sglang-omni' needs sglang.urls, sglang.router_url or sglang.launch"
+            )
         return self
 
 
@@ -282,6 +321,27 @@ class TrainerConfig(_Strict):
     ppo_epochs: int = Field(1, ge=1)
     warmup: WarmupConfig | None = None
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks; > 1 makes `omni-grpo train` the driver of one Ray actor per "
+        "rank (megatron: tp x ep x dp, a multiple of lcm(tp, ep))",
+    )
+
+
+# --------------------------------------------------------------------------------------------- ray
+class RayConfig(_Strict):
+    """How the driver joins Ray when the run spans several processes (``omni_grpo.ray``)."""
+
+    address: str | None = Field(
+        None, description="cluster address; None = $RAY_ADDRESS, else a local Ray on this machine"
+    )
+    num_cpus: float | None = Field(None, gt=0, description="local Ray only; None = all cores")
+    cpus_per_trainer: float = Field(
+        1.0, gt=0, description="fractions let several actors share a small machine"
+    )
+    gpus_per_node: int = Field(8, ge=1, description="for planning: where TP groups may go")
+    start_timeout_s: float = Field(300.0, gt=0, description="placement and actor start-up")
 
 
 # ----------------------------------------------------------------------------------- rewards, eval
@@ -310,6 +370,7 @@ class OmniGRPOConfig(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
     def _derived_paths(self) -> OmniGRPOConfig:
@@ -410,6 +471,7 @@ _PATH_FIELDS: tuple[tuple[str, ...], ...] = (
     ("data", "eval"),
     ("data", "root"),
     ("rollout", "sglang", "sync_dir"),
+    ("rollout", "sglang", "launch", "model_path"),
 )
 
 

@@ -1,17 +1,27 @@
-"""Plan where the Megatron trainer ranks run and how external rollout servers attach.
+"""Plan where every process of a run goes: trainer ranks, rollout servers, rollout actors.
 
-Layout (trainer_facts §7, adapted to external servers):
+Pure planning, testable without Ray; ``omni-grpo train --plan`` prints it and starts nothing.
 
-* one Ray placement group of ``{"GPU": 1, "CPU": cpus_per_rank}`` bundles, one per trainer rank,
-  strategy ``PACK`` (``STRICT_PACK`` when the whole trainer fits one node, so TP groups share
-  NVLink); trainer rank ``r`` runs in bundle ``r``;
-* the rollout side is NOT in the placement group: sglang-omni servers are started outside Ray
-  (disaggregated, no colocation — they have no sleep/offload routes) and only their URLs and
-  thinker TP sizes enter the plan, which places them in the weight-sync group after the trainer's
-  source rank (``omni_rollout_client.admin.plan_weight_sync_ranks``);
+Layout (trainer_facts §7, adapted to sglang-omni servers that have no sleep/offload routes):
+
+* one Ray placement group for the trainer, one bundle per rank, strategy ``STRICT_PACK`` when
+  the whole trainer fits one node (TP groups share NVLink) else ``PACK``; rank ``r`` runs in
+  bundle ``r``. GPU ranks get ``{"GPU": 1, "CPU": c}``; CPU ranks (torch backend on ``cpu``, the
+  CI path) get ``{"CPU": c}`` with a fractional ``c`` so that a 2-core box can hold them
+  (trainer_facts §9: actors ask for a whole CPU by default, and four of them never start there);
+* the rollout side is disaggregated (no colocation): launched sglang-omni servers are Ray actors
+  with ``gpus_per_server`` GPUs each, external servers enter only by URL, and embedded rollout
+  actors hold a CPU/GPU policy copy. Every rollout slot joins the weight-sync group after its
+  source rank 0: server ``k`` at ``rank_offset = 1 + sum(thinker_tp of servers before it)``
+  (``omni_rollout_client.admin.plan_weight_sync_ranks``, the rule of contract §4.3); a launched
+  server's thinker TP is planned as its GPU count, an external one's as 1 — the live values come
+  from ``/model_info`` when the sync group is built;
 * Megatron coordinates follow megatron-core's default order ``tp-cp-ep-dp-pp`` with pp = cp = 1
   and expert-TP = 1: ``tp_rank = r % tp``, ``dp_rank = r // tp``, ``ep_rank = r % ep``,
-  ``expert_dp_rank = r // ep``. A TP group must not straddle nodes.
+  ``expert_dp_rank = r // ep``. A TP group must not straddle nodes. The torch backend is pure
+  data parallel (``tp = ep = 1``, ``dp = world``).
+
+Every refusal is a :class:`PlacementError` whose message names the config field to change.
 """
 
 from __future__ import annotations
@@ -31,8 +41,8 @@ class PlacementError(ValueError):
 class TrainerRank:
     rank: int
     bundle_index: int
-    node_slot: int  # which node of the packed layout (rank // gpus_per_node)
-    local_rank: int  # GPU index on that node
+    node_slot: int  # which node of the packed layout (rank // gpus_per_node); 0 for CPU ranks
+    local_rank: int  # GPU index on that node (rank on the node for CPU ranks)
     tp_rank: int
     dp_rank: int
     ep_rank: int
@@ -41,9 +51,13 @@ class TrainerRank:
 
 @dataclass(frozen=True)
 class ServerAttachment:
-    url: str
+    """One rollout slot of the weight-sync group: a server (launched or external) or an actor."""
+
+    url: str  # "" until a launched server reports it; "actor:<i>" for an embedded rollout actor
     thinker_tp: int
-    rank_offset: int  # first rank of this server in the weight-sync group (trainer source = 0)
+    rank_offset: int  # first rank of this slot in the weight-sync group (source = 0)
+    role: Literal["external", "launched", "embedded"] = "external"
+    gpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,12 +70,116 @@ class PlacementPlan:
     strategy: Literal["PACK", "STRICT_PACK"]
     ranks: tuple[TrainerRank, ...]
     servers: tuple[ServerAttachment, ...]
-    sync_world_size: int  # 1 (trainer source rank) + every server's thinker TP ranks
+    sync_world_size: int  # 1 (source rank) + every rollout slot's thinker TP ranks
+    backend: str = "megatron"
+    device: Literal["GPU", "CPU"] = "GPU"
+    gpus_per_node: int = 8
 
     @property
     def sync_source_rank(self) -> int:
-        """The trainer rank that broadcasts weights (export gathers full tensors on every rank)."""
+        """The trainer rank whose export feeds the weight sync (it holds every full tensor)."""
         return 0
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.world_size if self.device == "GPU" else 0
+
+    @property
+    def rollout_gpus(self) -> int:
+        return sum(s.gpus for s in self.servers)
+
+    @property
+    def total_gpus(self) -> int:
+        return self.trainer_gpus + self.rollout_gpus
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the run needs Ray: several trainer ranks, launched servers or rollout actors."""
+        return self.world_size > 1 or any(s.role != "external" for s in self.servers)
+
+
+def _trainer_layout(
+    trainer: Any, gpus_per_node: int, trainer_gpus: int | None
+) -> tuple[int, int, int]:
+    """(world, tp, ep) of the trainer, or a PlacementError naming the field to change."""
+    if trainer.backend != "megatron":
+        world = int(trainer_gpus if trainer_gpus is not None else trainer.world_size)
+        return world, 1, 1
+    m = trainer.megatron
+    tp, ep, pp = int(m.tp), int(m.ep), int(m.pp)
+    if pp != 1:
+        raise PlacementError(f"trainer.megatron.pp={pp}: pipeline parallelism is not supported")
+    if trainer_gpus is not None:
+        world = int(trainer_gpus)
+    elif trainer.world_size > 1:
+        world = int(trainer.world_size)
+    else:
+        world = math.lcm(tp * pp, ep)  # the smallest world that holds the layout
+    if world < 1 or world % (tp * pp):
+        raise PlacementError(
+            f"trainer.world_size ({world}) must be a positive multiple of trainer.megatron.tp * pp = {tp * pp}"
+        )
+    if world % ep:
+        raise PlacementError(
+            f"trainer.world_size ({world}) must be a multiple of trainer.megatron.ep = {ep}"
+        )
+    if tp > gpus_per_node or (gpus_per_node % tp and world > gpus_per_node):
+        raise PlacementError(
+            f"trainer.megatron.tp={tp} cannot be placed on nodes of {gpus_per_node} GPUs "
+            "(ray.gpus_per_node) without a TP group straddling nodes"
+        )
+    return world, tp, ep
+
+
+def _uses_gpus(trainer: Any) -> bool:
+    """``cuda`` ranks take a GPU bundle; ``auto`` does when this machine sees one (the driver
+    plans for its own kind of machine; set trainer.device explicitly for a mixed cluster)."""
+    if trainer.device == "cuda":
+        return True
+    if trainer.device == "cpu":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        return False
+
+
+def _rollout_slots(
+    rollout: Any, backend: str, world: int, server_tp_sizes: list[int] | None
+) -> list[tuple[str, int, str, int]]:
+    """(url, thinker_tp, role, gpus) of every rollout slot in sync-group order."""
+    emb = rollout.embedded
+    if rollout.engine == "embedded":
+        if emb.actors == 0 and (world > 1 or backend != "torch"):
+            raise PlacementError(
+                "rollout.engine 'embedded' with more than one trainer rank (or a non-torch "
+                "backend) needs rollout.embedded.actors >= 1: the driver holds no policy to sample"
+            )
+        return [(f"actor:{i}", 1, "embedded", 0) for i in range(emb.actors)]
+    if emb.actors:
+        raise PlacementError(
+            f"rollout.embedded.actors={emb.actors} is only for rollout.engine 'embedded' "
+            f"(got {rollout.engine!r}): set it to 0"
+        )
+    if rollout.engine != "sglang-omni":
+        return []  # a third-party engine manages its own processes
+    sg = rollout.sglang
+    urls = list(sg.urls)  # router-only configs: the sync asks the router for its workers
+    sizes = list(server_tp_sizes) if server_tp_sizes is not None else [1] * len(urls)
+    if len(sizes) != len(urls):
+        raise PlacementError(
+            f"server_tp_sizes has {len(sizes)} entries for {len(urls)} rollout.sglang.urls"
+        )
+    slots = [(url, int(tp), "external", 0) for url, tp in zip(urls, sizes, strict=True)]
+    launch = sg.launch
+    if launch is not None:
+        slots += [
+            ("", max(1, launch.gpus_per_server), "launched", launch.gpus_per_server)
+            for _ in range(launch.servers)
+        ]
+    return slots
 
 
 def plan_placement(
@@ -72,56 +190,28 @@ def plan_placement(
     gpus_per_node: int = 8,
     cpus_per_rank: float = 1.0,
     server_tp_sizes: list[int] | None = None,
+    available_gpus: int | None = None,
 ) -> PlacementPlan:
-    """The placement of ``trainer`` (``TrainerConfig``) next to ``rollout`` (``RolloutConfig``) servers.
+    """The placement of ``trainer`` (``TrainerConfig``) next to ``rollout`` (``RolloutConfig``).
 
-    ``trainer_gpus`` defaults to the smallest world that holds the layout, ``lcm(tp * pp, ep)``.
-    ``server_tp_sizes`` lists each server's thinker TP size in ``rollout.sglang.urls`` order
-    (from ``/model_info``); 1 each when unknown at planning time.
+    ``trainer_gpus`` overrides ``trainer.world_size`` (megatron default: ``lcm(tp * pp, ep)``).
+    ``server_tp_sizes`` lists each external server's thinker TP size in ``rollout.sglang.urls``
+    order (from ``/model_info``); 1 each when unknown at planning time. ``available_gpus`` (the
+    cluster's GPU count, when known) refuses a plan that needs more.
     """
-    m = trainer.megatron
-    if trainer.backend != "megatron":
-        raise PlacementError(
-            f"trainer.backend is {trainer.backend!r}: Ray placement is for the 'megatron' backend"
-        )
-    tp, ep, pp = int(m.tp), int(m.ep), int(m.pp)
-    if pp != 1:
-        raise PlacementError(f"trainer.megatron.pp={pp}: pipeline parallelism is not supported")
-    world = int(trainer_gpus) if trainer_gpus is not None else math.lcm(tp * pp, ep)
-    if world < 1 or world % (tp * pp):
-        raise PlacementError(
-            f"trainer GPUs ({world}) must be a positive multiple of trainer.megatron.tp * pp = {tp * pp}"
-        )
-    if world % ep:
-        raise PlacementError(
-            f"trainer GPUs ({world}) must be a multiple of trainer.megatron.ep = {ep}"
-        )
-    if tp > gpus_per_node or (gpus_per_node % tp and world > gpus_per_node):
-        raise PlacementError(
-            f"trainer.megatron.tp={tp} cannot be placed on nodes of {gpus_per_node} GPUs without a TP group straddling nodes"
-        )
-    if rollout.engine != "sglang-omni":
-        raise PlacementError(
-            f"rollout.engine is {rollout.engine!r}: the Ray layout attaches external sglang-omni servers "
-            "(the embedded engine runs inside the trainer process; no placement needed)"
-        )
-    urls = list(rollout.sglang.urls)
-    if not urls:
-        raise PlacementError(
-            "rollout.sglang.urls is empty: weight sync calls every worker directly (not the router)"
-        )
-    sizes = list(server_tp_sizes) if server_tp_sizes is not None else [1] * len(urls)
-    if len(sizes) != len(urls):
-        raise PlacementError(
-            f"server_tp_sizes has {len(sizes)} entries for {len(urls)} rollout.sglang.urls"
-        )
-    sync = plan_weight_sync_ranks(sizes)
+    world, tp, ep = _trainer_layout(trainer, gpus_per_node, trainer_gpus)
+    if world < 1:
+        raise PlacementError(f"trainer.world_size ({world}) must be >= 1")
+    gpu = _uses_gpus(trainer)
+    slots = _rollout_slots(rollout, trainer.backend, world, server_tp_sizes)
+    sync = plan_weight_sync_ranks([tp_ for _, tp_, _, _ in slots]) if slots else None
+    per_node = gpus_per_node if gpu else max(world, 1)
     ranks = tuple(
         TrainerRank(
             rank=r,
             bundle_index=r,
-            node_slot=r // gpus_per_node,
-            local_rank=r % gpus_per_node,
+            node_slot=r // per_node,
+            local_rank=r % per_node,
             tp_rank=r % tp,
             dp_rank=r // tp,
             ep_rank=r % ep,
@@ -129,20 +219,91 @@ def plan_placement(
         )
         for r in range(world)
     )
-    return PlacementPlan(
+    bundle: dict[str, float] = (
+        {"GPU": 1.0, "CPU": float(cpus_per_rank)} if gpu else {"CPU": float(cpus_per_rank)}
+    )
+    plan = PlacementPlan(
         world_size=world,
         tp=tp,
         ep=ep,
         dp=world // tp,
-        bundles=tuple({"GPU": 1.0, "CPU": float(cpus_per_rank)} for _ in range(world)),
-        strategy="STRICT_PACK" if world <= gpus_per_node else "PACK",
+        bundles=tuple(dict(bundle) for _ in range(world)),
+        strategy="STRICT_PACK" if (not gpu or world <= gpus_per_node) else "PACK",
         ranks=ranks,
         servers=tuple(
-            ServerAttachment(url, int(tp_), off)
-            for url, tp_, off in zip(urls, sizes, sync.rank_offsets, strict=True)
+            ServerAttachment(url, tp_, off, role, gpus)  # type: ignore[arg-type]
+            for (url, tp_, role, gpus), off in zip(
+                slots, sync.rank_offsets if sync else [], strict=True
+            )
         ),
-        sync_world_size=sync.world_size,
+        sync_world_size=sync.world_size if sync else 1,
+        backend=str(trainer.backend),
+        device="GPU" if gpu else "CPU",
+        gpus_per_node=gpus_per_node,
     )
+    if available_gpus is not None and plan.total_gpus > available_gpus:
+        raise PlacementError(
+            f"the run needs {plan.total_gpus} GPUs ({plan.trainer_gpus} trainer "
+            f"[trainer.world_size], {plan.rollout_gpus} rollout [rollout.sglang.launch]) but "
+            f"{available_gpus} are available"
+        )
+    return plan
+
+
+def plan_run(cfg: Any, *, available_gpus: int | None = None) -> PlacementPlan:
+    """The plan of a whole ``OmniGRPOConfig`` (what ``omni-grpo train --plan`` prints)."""
+    return plan_placement(
+        cfg.trainer,
+        cfg.rollout,
+        gpus_per_node=cfg.ray.gpus_per_node,
+        cpus_per_rank=cfg.ray.cpus_per_trainer,
+        available_gpus=available_gpus,
+    )
+
+
+def format_plan(plan: PlacementPlan, cfg: Any | None = None) -> str:
+    """The plan as text: one line per trainer rank and per rollout slot (for ``--plan``)."""
+    nodes = max((r.node_slot for r in plan.ranks), default=0) + 1
+    address = "" if cfg is None else (cfg.ray.address or "$RAY_ADDRESS or a local Ray")
+    head = (
+        f"plan: {plan.total_gpus} GPUs ({plan.trainer_gpus} trainer on {nodes} node(s) + "
+        f"{plan.rollout_gpus} rollout); "
+        + ("one process (no Ray)" if not plan.distributed else f"Ray at {address or 'local'}")
+    )
+    lines = [
+        head,
+        f"trainer: backend {plan.backend}, {plan.world_size} rank(s) on {plan.device}, "
+        f"tp {plan.tp} x ep {plan.ep} x dp {plan.dp}, placement group {plan.strategy} of "
+        f"{plan.world_size} x {plan.bundles[0] if plan.bundles else {}}",
+        "  rank  node  gpu  tp  dp  ep  expert_dp",
+    ]
+    for r in plan.ranks:
+        gpu = str(r.local_rank) if plan.device == "GPU" else "-"
+        lines.append(
+            f"  {r.rank:>4}  {r.node_slot:>4}  {gpu:>3}  {r.tp_rank:>2}  {r.dp_rank:>2}  "
+            f"{r.ep_rank:>2}  {r.expert_dp_rank:>9}"
+        )
+    if plan.servers:
+        sync_mode = "" if cfg is None else f" (sync_mode {_sync_mode(cfg)})"
+        lines.append(
+            f"rollout: {len(plan.servers)} slot(s); weight-sync group world {plan.sync_world_size}, "
+            f"source rank 0 = trainer rank {plan.sync_source_rank}'s export{sync_mode}"
+        )
+        lines.append("  slot  role      gpus  thinker_tp  rank_offset  url")
+        for i, s in enumerate(plan.servers):
+            url = s.url or "(reported at launch)"
+            lines.append(
+                f"  {i:>4}  {s.role:<8}  {s.gpus:>4}  {s.thinker_tp:>10}  {s.rank_offset:>11}  {url}"
+            )
+    elif cfg is not None:
+        lines.append(f"rollout: engine {cfg.rollout.engine} in the trainer process")
+    return "\n".join(lines)
+
+
+def _sync_mode(cfg: Any) -> str:
+    if cfg.rollout.engine == "embedded":
+        return "distributed (embedded rollout actors)"
+    return str(cfg.rollout.sglang.sync_mode)
 
 
 def rank_env(plan: PlacementPlan, rank: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -162,13 +323,17 @@ def rank_env(plan: PlacementPlan, rank: int, master_addr: str, master_port: int)
 def create_placement_group(plan: PlacementPlan, timeout_s: float = 600.0) -> Any:
     """Reserve the trainer's bundles in the running Ray cluster and wait until they are placed."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     pg = placement_group(list(plan.bundles), strategy=plan.strategy, name="omni_grpo_trainer")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
+        remove_placement_group(pg)
+        what = "GPU" if plan.device == "GPU" else "CPU"
         raise PlacementError(
-            f"Ray could not place {plan.world_size} GPU bundles ({plan.strategy}) within {timeout_s}s"
+            f"Ray could not place {plan.world_size} {what} bundles {plan.bundles[0]} "
+            f"({plan.strategy}) within {timeout_s}s (ray.start_timeout_s); cluster has "
+            f"{ray.cluster_resources()}"
         )
     return pg
 
@@ -176,12 +341,12 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = 600.0) -> Any
 def actor_options(
     plan: PlacementPlan, rank: int, pg: Any, master_addr: str, master_port: int
 ) -> dict[str, Any]:
-    """``.options(**...)`` for the trainer actor of ``rank``: its bundle, one GPU, its env."""
+    """``.options(**...)`` for the trainer actor of ``rank``: its bundle, its GPU, its env."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = plan.bundles[plan.ranks[rank].bundle_index]
     return {
-        "num_gpus": bundle["GPU"],
+        "num_gpus": bundle.get("GPU", 0.0),
         "num_cpus": bundle["CPU"],
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=plan.ranks[rank].bundle_index
