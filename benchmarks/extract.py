@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from omni_extract.expected import expected_thinker_tensors
-from omni_extract.testing import TinyOmniSpec, build_config, processor_artifacts
+from omni_extract.tiny import TinyOmniSpec, build_config, processor_artifacts
 from safetensors.torch import save_file
 
 # The released Qwen3-Omni-30B-A3B widths (reference/qwen3_omni_layout.md §3.1).
@@ -122,9 +122,9 @@ def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, A
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    from omni_extract.testing import _build_small_tokenizer  # tokenizer size is irrelevant here
+    from omni_extract.tiny import build_small_tokenizer  # tokenizer size is irrelevant here
 
-    _build_small_tokenizer().save_pretrained(dst)
+    build_small_tokenizer().save_pretrained(dst)
     for name, payload in processor_artifacts(spec.vision).items():
         (dst / name).write_text(json.dumps(payload))
     sizes = [f.stat().st_size for f in files]

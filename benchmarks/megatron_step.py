@@ -151,8 +151,8 @@ def bench_step(args, impl: str, device: torch.device) -> dict:
 
 def bench_sync(state: dict, device: torch.device, bucket_mb: int) -> dict:
     from omni_grpo.backends.megatron.export import export_hf_weights
-    from omni_grpo.backends.megatron.sender import push_to_receiver, raw_broadcast, start_receiver
     from omni_grpo.sync.group import build_group, host_store
+    from omni_grpo.testing.megatron.sender import push_to_receiver, raw_broadcast, start_receiver
 
     store = host_store("127.0.0.1", 2, 600)
     rounds = 4  # warm-up sync, timed sync, warm-up raw, timed raw

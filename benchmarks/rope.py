@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from omni_extract.testing import TinyOmniSpec, build_config
+from omni_extract.tiny import TinyOmniSpec, build_config
 from omni_extract.tokens import REAL_IDS
 from omni_rope import OmniRopeConfig, audio_in_video_segment_ids, get_rope_index
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 from omni_extract import extract
-from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 from omni_grpo.models import load_thinker
-from omni_grpo.models.testing import Ids, build_batch
+from omni_grpo.testing.models import Ids, build_batch
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
 

@@ -1,7 +1,7 @@
 """Distributed weight sync overhead: ``DistributedWeightSync.push`` vs a raw broadcast of the same bytes.
 
 One trainer (this process, rank 0) and one receiver process (rank 1, the server side of the
-protocol, ``omni_grpo.sync.testing``) on this machine. Source: a synthetic pseudo-VL text model
+protocol, ``omni_grpo.testing.sync``) on this machine. Source: a synthetic pseudo-VL text model
 (fused experts in transformers' in-memory layout, bf16) of about ``--mb`` MiB. Measured in the
 same run, same receiver code, same bucket composition:
 
@@ -72,13 +72,13 @@ def raw_broadcast(
     """Seconds to broadcast every bucket to one receiver with no HTTP and no conversion."""
     from omni_grpo.sync.buckets import buckets
     from omni_grpo.sync.group import build_group, host_store
-    from omni_grpo.sync.testing import _receiver_main
+    from omni_grpo.testing.sync import receiver_main
 
     ctx = mp.get_context("forkserver")
     store = host_store("127.0.0.1", 2, 300)
     inbox = ctx.Queue()
     proc = ctx.Process(
-        target=_receiver_main,
+        target=receiver_main,
         args=(inbox, str(out), 1, 2, "127.0.0.1", store.port, "raw", backend, False),
         daemon=True,
     )
@@ -118,10 +118,10 @@ def main() -> None:
     from omni_extract.names import to_server_tensors
     from omni_grpo.config import SglangOmniConfig
     from omni_grpo.sync import make_weight_sync
-    from omni_grpo.sync.testing import ServerSideReceivers
+    from omni_grpo.testing.sync import ServerSideReceivers
     from omni_rollout_client.testing import FakeOmniServer
 
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.sync.testing"])
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
     device = "cuda:0" if args.backend == "nccl" else "cpu"
     state = {k: v.to(device) for k, v in synthetic_state(args.mb, torch.bfloat16).items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())

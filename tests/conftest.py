@@ -38,7 +38,7 @@ def train_against_fake_server(tmp_path: Path) -> Callable[..., FakeServerRun]:
         n_train: int = 4,
         n_eval: int = 2,
     ) -> FakeServerRun:
-        from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+        from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
         from omni_grpo.config import load_config
         from omni_grpo.trainer import train
         from omni_rollout_client.testing import FakeGeneration, FakeOmniServer, FakeRequest

@@ -1,6 +1,6 @@
 """GPU: the Megatron thinker against transformers, TP=2/EP=2 GRPO steps and bit-exact NCCL sync.
 
-Wraps ``omni_grpo.backends.megatron.verify`` (which the device runs record) in assertions. Needs
+Wraps ``omni_grpo.testing.megatron.verify`` (which the device runs record) in assertions. Needs
 CUDA and megatron-core (Python >= 3.12); the TP test needs two GPUs. Skips cleanly otherwise.
 """
 
@@ -37,7 +37,7 @@ def _env(tmp: Path) -> dict[str, str]:
 def test_parity_with_hf_thinker_audio_image_video_text(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"
     subprocess.run(
-        [sys.executable, "-m", "omni_grpo.backends.megatron.verify", "parity", str(out)],
+        [sys.executable, "-m", "omni_grpo.testing.megatron.verify", "parity", str(out)],
         check=True,
         env=_env(tmp_path),
         timeout=600,
@@ -60,7 +60,7 @@ def test_tp2_ep2_grpo_step_and_bit_exact_sync(tmp_path: Path) -> None:
         "--nproc-per-node",
         "2",
         "-m",
-        "omni_grpo.backends.megatron.verify",
+        "omni_grpo.testing.megatron.verify",
         "tp",
         str(out),
     ]

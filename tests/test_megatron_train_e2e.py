@@ -23,7 +23,7 @@ pytestmark = [
 
 def test_train_two_steps_with_megatron_backend(train_against_fake_server) -> None:
     pytest.importorskip("megatron.core")
-    from omni_grpo.sync.testing import expected_server_tensors, read_hub_tensors
+    from omni_grpo.testing.sync import expected_server_tensors, read_hub_tensors
 
     run = train_against_fake_server(
         [

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from omni_extract.testing import load_ids
+from omni_extract.tiny import load_ids
 from omni_rollout_client import OmniRolloutClient, PreparedPrompt
 from omni_rollout_client.testing import FakeOmniServer
 from PIL import Image

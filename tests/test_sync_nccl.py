@@ -26,7 +26,7 @@ def test_nccl_sync_bf16_bit_exact(
 ) -> None:
     from omni_grpo.config import SglangOmniConfig
     from omni_grpo.sync import make_weight_sync
-    from omni_grpo.sync.testing import ServerSideReceivers, expected_server_tensors
+    from omni_grpo.testing.sync import ServerSideReceivers, expected_server_tensors
     from omni_rollout_client.testing import FakeOmniServer
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 

@@ -17,7 +17,7 @@ from omni_extract import extract
 from omni_grpo.config import SglangOmniConfig
 from omni_grpo.models import load_thinker
 from omni_grpo.sync import make_weight_sync
-from omni_grpo.sync.testing import ServerSideReceivers, expected_server_tensors, read_hub_tensors
+from omni_grpo.testing.sync import ServerSideReceivers, expected_server_tensors, read_hub_tensors
 from omni_rollout_client.testing import FakeOmniServer
 
 

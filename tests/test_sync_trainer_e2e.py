@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import torch
-from omni_grpo.sync.testing import expected_server_tensors, read_hub_tensors
+from omni_grpo.testing.sync import expected_server_tensors, read_hub_tensors
 
 
 def test_train_two_steps_with_sglang_omni_engine_and_disk_sync(train_against_fake_server) -> None:

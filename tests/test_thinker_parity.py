@@ -15,7 +15,7 @@ import pytest
 import torch
 from omni_extract import extract
 from omni_grpo.models import load_thinker
-from omni_grpo.models.testing import Ids, build_batch
+from omni_grpo.testing.models import Ids, build_batch
 
 TOL = 1e-5
 TXT = [5, 6, 7]

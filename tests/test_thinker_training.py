@@ -15,7 +15,7 @@ import torch
 from omni_audio_inject import MissingAudioTowerError, PlaceholderCountError
 from omni_extract import extract, to_server_tensors
 from omni_grpo.models import load_thinker
-from omni_grpo.models.testing import Ids, build_batch
+from omni_grpo.testing.models import Ids, build_batch
 from safetensors import safe_open
 
 TXT = [5, 6, 7]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 from omni_extract.tokens import MEDIA_TOKEN_ID_FIELDS, REAL_IDS
 from safetensors import safe_open
 
@@ -140,3 +140,16 @@ def test_refuses_non_empty_destination(tmp_path):
     with pytest.raises(FileExistsError):
         make_tiny_omni(tmp_path / "x")
     assert (tmp_path / "x" / "f").read_text() == "keep me"
+
+
+def test_old_testing_module_is_a_deprecated_alias_of_tiny() -> None:
+    import importlib
+    import sys
+
+    import omni_extract.tiny as tiny
+
+    sys.modules.pop("omni_extract.testing", None)
+    with pytest.deprecated_call(match="omni_extract.tiny"):
+        old = importlib.import_module("omni_extract.testing")
+    assert old.make_tiny_omni is tiny.make_tiny_omni
+    assert old.TinyOmniSpec is tiny.TinyOmniSpec

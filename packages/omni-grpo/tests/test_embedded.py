@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from omni_grpo.config import DataConfig, ModelConfig, TinyModelConfig
+from omni_grpo.data.collate import repeat_mm
 from omni_grpo.data.dataset import OmniDataset
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.data.synthetic import generate_synthetic
 from omni_grpo.rollout import create_engine
-from omni_grpo.rollout.embedded import EmbeddedEngine, repeat_mm, sample_next
+from omni_grpo.rollout.embedded import EmbeddedEngine, sample_next
 from omni_grpo.trainer import media_token_ids, prepare_model
 from omni_grpo.types import SamplingConfig
 

@@ -16,7 +16,7 @@ from omni_grpo.types import Completion, PromptInputs, Sample
 @pytest.fixture(scope="module")
 def vl_config(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from omni_extract import extract
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     root = tmp_path_factory.mktemp("backend")
     make_tiny_omni(root / "omni", TinyOmniSpec())

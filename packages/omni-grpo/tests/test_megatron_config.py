@@ -54,7 +54,7 @@ REAL_VL = {
 @pytest.fixture(scope="module")
 def tiny_vl_config(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from omni_extract import extract
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     root = tmp_path_factory.mktemp("mega")
     make_tiny_omni(root / "omni", TinyOmniSpec())

@@ -28,7 +28,7 @@ from omni_grpo.config import MegatronConfig
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from omni_extract import extract
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     root = tmp_path_factory.mktemp("names")
     make_tiny_omni(root / "omni", TinyOmniSpec())

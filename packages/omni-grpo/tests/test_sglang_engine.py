@@ -220,7 +220,7 @@ def test_preflight_names_the_unreachable_server() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from omni_grpo.rollout.sglang_omni import make_clients
+    from omni_grpo.sglang import make_clients
     from omni_rollout_client.retry import RetryPolicy
 
     cfg = SglangOmniConfig(urls=[f"http://127.0.0.1:{port}"], timeout_s=5)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from omni_extract.errors import UnmappedTensorError
+from omni_grpo.aio import BackgroundLoop
 from omni_grpo.config import SglangOmniConfig
 from omni_grpo.sync import SkipWeightSync, WeightSync, WeightSyncError, make_weight_sync
 from omni_grpo.sync.buckets import buckets
 from omni_grpo.sync.disk_writer import INDEX_NAME, MANIFEST_NAME
-from omni_grpo.sync.loop import BackgroundLoop
-from omni_grpo.sync.testing import expected_server_tensors, read_hub_tensors
+from omni_grpo.testing.sync import expected_server_tensors, read_hub_tensors
 from omni_rollout_client.client import OmniRolloutClient
 from omni_rollout_client.errors import ActiveRequestsError
 from omni_rollout_client.testing import FakeGeneration, FakeOmniServer, FakeRequest
@@ -280,7 +280,7 @@ def test_pause_refused_by_one_server_resumes_the_others(tmp_path: Path, thinker_
 
 
 def test_prefetch_keeps_order_and_reraises_source_errors() -> None:
-    from omni_grpo.sync.loop import Prefetch
+    from omni_grpo.aio import Prefetch
 
     with Prefetch(iter(range(5)), depth=2) as it:
         assert list(it) == [0, 1, 2, 3, 4]

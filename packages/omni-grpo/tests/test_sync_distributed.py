@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omni_grpo.config import SglangOmniConfig
 from omni_grpo.sync import WeightSyncError, make_weight_sync
 from omni_grpo.sync.distributed import DistributedWeightSync
-from omni_grpo.sync.testing import ServerSideReceivers, expected_server_tensors
+from omni_grpo.testing.sync import ServerSideReceivers, expected_server_tensors
 from omni_rollout_client.testing import FakeOmniServer
 
 
@@ -185,7 +185,7 @@ def test_bad_name_in_a_later_bucket_resumes_servers_and_keeps_version(
 def test_distributed_update_with_a_request_in_flight_pauses_with_retract(
     tmp_path: Path, thinker_state
 ) -> None:
-    from omni_grpo.sync.loop import BackgroundLoop
+    from omni_grpo.aio import BackgroundLoop
     from omni_rollout_client.client import OmniRolloutClient
     from omni_rollout_client.testing import FakeGeneration, FakeRequest
 

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def omni_config():
     """A full ``Qwen3OmniMoeConfig`` from omni-extract's tiny factory with the released ids and pps 13."""
-    from omni_extract.testing import TinyOmniSpec, build_config
+    from omni_extract.tiny import TinyOmniSpec, build_config
     from omni_extract.tokens import REAL_IDS
 
     return build_config(TinyOmniSpec(), REAL_IDS, vocab_size=1024)

@@ -92,7 +92,7 @@ def make_tiny_command(
     directory: Path, vocab: str, shards: int, seed: int, dtype: str, no_talker: bool
 ) -> None:
     """Write a tiny random Qwen3-Omni checkpoint (hub layout) into DIRECTORY."""
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     spec = TinyOmniSpec(
         vocab=vocab,

@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Small-vocabulary tiny Omni checkpoint, three shards with an index (fast: the default)."""
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     return make_tiny_omni(tmp_path_factory.mktemp("omni") / "tiny-omni", TinyOmniSpec(num_shards=3))
 
@@ -22,7 +22,7 @@ def tiny_omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_omni_single_shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Small-vocabulary tiny Omni checkpoint in a single ``model.safetensors``."""
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     return make_tiny_omni(tmp_path_factory.mktemp("omni1") / "tiny-omni", TinyOmniSpec(seed=1))
 
@@ -30,7 +30,7 @@ def tiny_omni_single_shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path
 @pytest.fixture(scope="session")
 def tiny_omni_real_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Omni checkpoint with the real Qwen3 vocabulary and the released special-token ids."""
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     return make_tiny_omni(
         tmp_path_factory.mktemp("omnireal") / "tiny-omni", TinyOmniSpec(vocab="real", num_shards=2)

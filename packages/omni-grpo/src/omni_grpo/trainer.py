@@ -65,7 +65,7 @@ def prepare_model(model: ModelConfig, run_dir: Path) -> tuple[Path, Path]:
             raise FileNotFoundError(
                 f"model.omni_checkpoint {omni} has no config.json (set model.make_tiny to create a tiny one)"
             )
-        from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+        from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
         sizes = model.make_tiny.sizes
         spec = TinyOmniSpec(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omni_grpo.algo import entropy_from_logits, grpo_loss, token_logprobs_from_logits
-from omni_grpo.rollout.embedded import repeat_mm
+from omni_grpo.data.collate import repeat_mm
 from omni_grpo.types import Completion, PromptInputs
 
 if TYPE_CHECKING:

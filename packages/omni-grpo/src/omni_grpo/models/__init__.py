@@ -7,7 +7,7 @@
   ``save_pretrained()``, ``gradient_checkpointing_enable()``; KV-cached decoding via
   ``forward(..., cache=...)`` (positions continue from the prefill's rope deltas) or
   ``OmniThinker.generate`` (:mod:`omni_grpo.models.generation`: token ids + per-token logprobs).
-* :mod:`omni_grpo.models.testing` — hand-built Omni batches (placeholders expanded like the
+* :mod:`omni_grpo.testing.models` — hand-built Omni batches (placeholders expanded like the
   processor) for tests and benchmarks.
 """
 

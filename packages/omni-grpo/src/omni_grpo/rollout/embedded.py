@@ -19,18 +19,8 @@ from typing import Any
 
 import torch
 
+from omni_grpo.data.collate import repeat_mm
 from omni_grpo.types import Completion, PromptInputs, SamplingConfig
-
-
-def repeat_mm(mm: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-    """Processed media tensors for ``n`` copies of one prompt (rows concatenated, per-item meta repeated)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in mm.items():
-        if key in ("input_features", "feature_attention_mask"):
-            out[key] = value.repeat(n, *([1] * (value.dim() - 1)))
-        else:  # pixel rows, grids and per-video seconds: one block per copy
-            out[key] = torch.cat([value] * n, dim=0)
-    return out
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

@@ -33,12 +33,13 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from omni_rollout_client.client import ModelInfo, OmniRolloutClient, Timeouts
+from omni_rollout_client.client import ModelInfo, OmniRolloutClient
 from omni_rollout_client.payload import BF16_CASTABLE, PreparedPrompt
 from omni_rollout_client.result import GenerateResult, concat_results
 from omni_rollout_client.sampling import filter_sampling_params
 
-from omni_grpo.sync.loop import BackgroundLoop
+from omni_grpo.aio import BackgroundLoop, gather
+from omni_grpo.sglang import make_clients
 from omni_grpo.types import Completion, PromptInputs, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -48,25 +49,6 @@ SEED_MODULUS = 1 << 31
 
 class SglangOmniEngineError(RuntimeError):
     """The servers could not produce a complete rollout; nothing partial is returned."""
-
-
-def make_clients(
-    cfg: Any, *, vocab_size: int | None = None, workers: bool = False
-) -> list[OmniRolloutClient]:
-    """Clients from ``SglangOmniConfig``: the router when set (unless ``workers``), else each URL."""
-    key = cfg.admin_api_key.get_secret_value() if cfg.admin_api_key is not None else None
-    timeouts = Timeouts(generate=cfg.timeout_s, admin=cfg.timeout_s)
-    urls = list(cfg.urls) if (workers or not cfg.router_url) else [cfg.router_url]
-    return [
-        OmniRolloutClient(
-            url,
-            admin_api_key=key,
-            max_concurrency=cfg.max_concurrency,
-            timeouts=timeouts,
-            vocab_size=vocab_size,
-        )
-        for url in urls
-    ]
 
 
 def sample_seeds(seed: int | None, uid: str, n: int) -> list[int] | None:
@@ -176,7 +158,7 @@ class SglangOmniEngine:
                     f"sglang-omni server {client.base_url} failed preflight (/model_info): {exc}"
                 ) from exc
 
-        infos = self.loop.run(_gather(probe(c) for c in self.clients), self.cfg.timeout_s + 30)
+        infos = self.loop.run(gather(probe(c) for c in self.clients), self.cfg.timeout_s + 30)
         for client, info in zip(self.clients, infos, strict=True):
             log.info(
                 "sglang-omni %s: weight_version=%s model_path=%s thinker_tp=%s",
@@ -190,11 +172,11 @@ class SglangOmniEngine:
 
     def abort_all(self) -> None:
         """Drop every in-flight request on every server (pause(abort) + continue)."""
-        self.loop.run(_gather(c.abort_all() for c in self.clients), self.cfg.timeout_s + 30)
+        self.loop.run(gather(c.abort_all() for c in self.clients), self.cfg.timeout_s + 30)
 
     def close(self) -> None:
         try:
-            self.loop.run(_gather(c.aclose() for c in self.clients), 30)
+            self.loop.run(gather(c.aclose() for c in self.clients), 30)
         finally:
             if self._own_loop:
                 self.loop.close()
@@ -385,7 +367,3 @@ def _first_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
-
-
-async def _gather(coros):  # type: ignore[no-untyped-def]
-    return await asyncio.gather(*list(coros))

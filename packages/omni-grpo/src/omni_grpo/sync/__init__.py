@@ -60,8 +60,8 @@ def make_weight_sync(
     """
     if cfg.sync_mode == "skip":
         return SkipWeightSync()
-    from omni_grpo.rollout.sglang_omni import make_clients
-    from omni_grpo.sync.loop import BackgroundLoop
+    from omni_grpo.aio import BackgroundLoop
+    from omni_grpo.sglang import make_clients
 
     own_loop = loop is None
     loop = loop or BackgroundLoop("omni-grpo-weight-sync")

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from omni_rollout_client.client import OmniRolloutClient
 
+from omni_grpo.aio import BackgroundLoop, gather
 from omni_grpo.sync.base import (
     NamedTensors,
     ServerTensors,
@@ -37,8 +38,6 @@ from omni_grpo.sync.base import (
     check_names,
 )
 from omni_grpo.sync.disk_writer import DEFAULT_SHARD_BYTES, version_dirname, write_weights_dir
-from omni_grpo.sync.distributed import _gather
-from omni_grpo.sync.loop import BackgroundLoop
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +106,10 @@ class DiskWeightSync:
         try:
             # Inside the try: if one server fails to pause, the others are resumed again.
             self.loop.run(
-                _gather(c.pause_generation("retract") for c in self.clients), self.timeout_s
+                gather(c.pause_generation("retract") for c in self.clients), self.timeout_s
             )
             self.loop.run(
-                _gather(
+                gather(
                     c.update_weights_from_disk(str(dst), weight_version=version, flush_cache=True)
                     for c in self.clients
                 ),
@@ -120,9 +119,7 @@ class DiskWeightSync:
             error = exc
         finally:
             try:
-                self.loop.run(
-                    _gather(c.continue_generation() for c in self.clients), self.timeout_s
-                )
+                self.loop.run(gather(c.continue_generation() for c in self.clients), self.timeout_s)
             except BaseException as cont_exc:
                 if error is None:
                     raise WeightSyncError(
@@ -134,7 +131,7 @@ class DiskWeightSync:
         if error is not None:
             raise WeightSyncError(f"update_weights_from_disk({dst}) failed: {error}") from error
         if self.verify:
-            infos = self.loop.run(_gather(c.model_info() for c in self.clients), self.timeout_s)
+            infos = self.loop.run(gather(c.model_info() for c in self.clients), self.timeout_s)
             bad = {
                 c.base_url: i.weight_version
                 for c, i in zip(self.clients, infos, strict=True)

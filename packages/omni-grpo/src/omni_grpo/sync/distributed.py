@@ -29,7 +29,6 @@ dropped and rebuilt under a fresh group name on the next push; the error is rais
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
@@ -42,6 +41,7 @@ import torch
 from omni_rollout_client.admin import plan_weight_sync_ranks
 from omni_rollout_client.client import OmniRolloutClient, init_weights_update_groups
 
+from omni_grpo.aio import BackgroundLoop, Prefetch, gather
 from omni_grpo.sync.base import (
     NamedTensors,
     ServerTensors,
@@ -52,7 +52,6 @@ from omni_grpo.sync.base import (
 )
 from omni_grpo.sync.buckets import Bucket, buckets
 from omni_grpo.sync.group import WeightUpdateGroup, build_group, host_store, reachable_address
-from omni_grpo.sync.loop import BackgroundLoop, Prefetch
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class DistributedWeightSync:
         """Create the weight-update group with every worker (idempotent while it is healthy)."""
         if self._group is not None:
             return self._group
-        infos = self.loop.run(_gather(c.model_info() for c in self.clients), self.timeout_s)
+        infos = self.loop.run(gather(c.model_info() for c in self.clients), self.timeout_s)
         tp_sizes = [max(info.thinker_tp_sizes or (1,)) for info in infos]
         plan = plan_weight_sync_ranks(tp_sizes)
         # Unique per process and attempt: torch keeps a dropped (poisoned) group's name registered,
@@ -183,7 +182,7 @@ class DistributedWeightSync:
         try:
             # Inside the try: if one server fails to pause, the others are resumed again.
             self.loop.run(
-                _gather(c.pause_generation("retract") for c in self.clients), self.timeout_s
+                gather(c.pause_generation("retract") for c in self.clients), self.timeout_s
             )
             # Bucket k+1 is renamed, transposed and moved to the device on a helper thread while
             # bucket k is on the wire (the conversion would otherwise serialise with it).
@@ -214,7 +213,7 @@ class DistributedWeightSync:
     def _send_bucket(self, group: WeightUpdateGroup, bucket: Bucket, version: str) -> None:
         tensors = bucket.tensors
         request = self.loop.submit(
-            _gather(
+            gather(
                 c.update_weights_from_distributed(
                     bucket.names,
                     bucket.dtypes,
@@ -247,7 +246,7 @@ class DistributedWeightSync:
         """Continue generation on every worker; chain a failure to the original error if any."""
         try:
             self.loop.run(
-                _gather((c.continue_generation() for c in self.clients), return_exceptions=False),
+                gather((c.continue_generation() for c in self.clients), return_exceptions=False),
                 self.timeout_s,
             )
         except BaseException as cont_exc:
@@ -260,7 +259,7 @@ class DistributedWeightSync:
             raise WeightSyncError(f"distributed weight sync failed: {error}") from error
 
     def _verify(self, version: str) -> None:
-        infos = self.loop.run(_gather(c.model_info() for c in self.clients), self.timeout_s)
+        infos = self.loop.run(gather(c.model_info() for c in self.clients), self.timeout_s)
         got = {c.base_url: i.weight_version for c, i in zip(self.clients, infos, strict=True)}
         bad = {url: v for url, v in got.items() if v != version}
         if bad:
@@ -280,16 +279,11 @@ class DistributedWeightSync:
             return
         try:
             self.loop.run(
-                _gather(c.destroy_weights_update_group(group.group_name) for c in self.clients),
+                gather(c.destroy_weights_update_group(group.group_name) for c in self.clients),
                 self.timeout_s,
             )
         finally:
             group.destroy()
-
-
-async def _gather(coros, return_exceptions: bool = False):  # type: ignore[no-untyped-def]
-    """``asyncio.gather`` over a generator of coroutines (created inside the loop thread)."""
-    return await asyncio.gather(*list(coros), return_exceptions=return_exceptions)
 
 
 def _run_beside(fn, request: Future, timeout_s: float, *, what: str):  # type: ignore[no-untyped-def]

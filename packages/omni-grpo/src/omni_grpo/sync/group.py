@@ -86,10 +86,39 @@ def join_store(master_address: str, port: int, world_size: int, timeout_s: float
     )
 
 
-def _options_kwarg() -> str:
-    # torch renamed ``pg_options`` to ``backend_options`` (sglang probes the same way).
-    params = inspect.signature(c10d._new_process_group_helper).parameters
-    return "backend_options" if "backend_options" in params else "pg_options"
+def _c10d_new_group(
+    store: dist.Store,
+    *,
+    group_name: str,
+    world_size: int,
+    rank: int,
+    backend: str,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """The one place that touches ``torch.distributed``'s private API, and why.
+
+    sglang builds its end with ``c10d._new_process_group_helper`` (a group built as if it were a
+    default group, on a ``PrefixStore``) and registers the identity rank map in
+    ``c10d._world.pg_group_ranks``. The public ``new_group`` cannot do this: it carves subgroups out
+    of the default group, which here would have to span trainer and servers. Our end must exchange
+    the very same store keys, so it calls the same helper; when torch changes it (``pg_options``
+    became ``backend_options``; sglang probes the same way), only this function has to follow.
+    """
+    helper = c10d._new_process_group_helper
+    params = inspect.signature(helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    pg, _ = helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        store,
+        group_name=group_name,
+        timeout=timedelta(seconds=timeout_s),
+        **{options: None},
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
 
 
 def build_group(
@@ -105,16 +134,12 @@ def build_group(
 
     Blocks (gloo: in here; nccl: at the first collective) until all ``world_size`` ranks joined.
     """
-    prefixed = dist.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        backend,
-        prefixed,
+    pg = _c10d_new_group(
+        dist.PrefixStore(group_name, store),
         group_name=group_name,
-        timeout=timedelta(seconds=timeout_s),
-        **{_options_kwarg(): None},
+        world_size=world_size,
+        rank=rank,
+        backend=backend,
+        timeout_s=timeout_s,
     )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return WeightUpdateGroup(group_name, world_size, rank, backend, store, pg)

@@ -36,6 +36,7 @@ from omni_grpo.backends.megatron.model import (
     read_vl_config,
 )
 from omni_grpo.backends.megatron.optim import MasterAdamW
+from omni_grpo.data.collate import collate_mm
 
 
 def init_parallel(megatron: Any, seed: int = 0, backend: str | None = None) -> None:
@@ -177,21 +178,6 @@ class GRPOBatch:
     temperature: float = 1.0  # the rollout sampling temperature (logits are divided by it)
 
 
-def _collate_mm(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    from omni_audio_inject import pad_audio_features
-
-    out: dict[str, torch.Tensor] = {}
-    keys = {k for d in items for k in d}
-    for k in keys - {"input_features", "feature_attention_mask"}:
-        out[k] = torch.cat([d[k] for d in items if k in d], dim=0)
-    feats = [d for d in items if "input_features" in d]
-    if feats:
-        out["input_features"], out["feature_attention_mask"] = pad_audio_features(
-            [d["input_features"] for d in feats], [d["feature_attention_mask"] for d in feats]
-        )
-    return out
-
-
 class MegatronTrainer:
     """The policy on megatron-core and its optimizer; ``step`` is one GRPO update."""
 
@@ -234,7 +220,7 @@ class MegatronTrainer:
                         f"sample {i}: {name} has {vals.numel()} values for {n - st} response tokens"
                     )
                 buf[r, st - 1 : n - 1] = vals
-        mm = _collate_mm([batch.mm[i] for i in idx]) if batch.mm else {}
+        mm = collate_mm([batch.mm[i] for i in idx]) if batch.mm else {}
         dev = self.device
         return dict(
             ids=ids.to(dev),

@@ -1,5 +1,7 @@
 """A private asyncio event loop on a daemon thread, for synchronous callers of async clients.
 
+Shared by the sglang-omni rollout engine and weight sync (neither owns it, so it lives below both).
+
 The trainer loop is synchronous, while ``omni_rollout_client`` is asyncio/httpx. Weight sync
 needs HTTP requests in flight *while* the calling thread blocks in ``torch.distributed``
 broadcasts (the server answers ``update_weights_from_distributed`` only after it has received
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -49,6 +51,15 @@ class BackgroundLoop:
         self._thread.join(timeout=10)
         if not self._loop.is_running():
             self._loop.close()
+
+
+async def gather(coros: Iterable[Awaitable[T]], return_exceptions: bool = False) -> list[T]:
+    """``asyncio.gather`` over an iterable of coroutines, consumed inside the loop's thread.
+
+    Callers pass a generator (``gather(c.model_info() for c in clients)``) so the coroutine objects
+    are created on the thread that awaits them, and none is left un-awaited if building fails.
+    """
+    return await asyncio.gather(*list(coros), return_exceptions=return_exceptions)
 
 
 _DONE = object()

@@ -70,7 +70,7 @@ def expected_server_tensors(hub_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _receiver_main(
+def receiver_main(
     inbox: Any,
     out_dir: str,
     rank: int,
@@ -129,7 +129,7 @@ class ServerSideReceivers:
         # interpreter per receiver pays the torch import each time), and never from this
         # multi-threaded test process (fork with live threads is unsafe).
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["torch", "omni_grpo.sync.testing"])
+        self._ctx.set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
         self._procs: list[Any] = []
         self._inboxes: dict[int, list[Any]] = defaultdict(list)  # server index -> receiver queues
         self._group: dict[int, str] = {}
@@ -174,7 +174,7 @@ class ServerSideReceivers:
             for tp_rank in range(tp):
                 inbox = self._ctx.Queue()
                 proc = self._ctx.Process(
-                    target=_receiver_main,
+                    target=receiver_main,
                     args=(
                         inbox,
                         str(self.out_dir / payload["group_name"]),

@@ -1,9 +1,9 @@
 """GPU verification of the Megatron thinker (run on the device machine; pytest wraps it as ``gpu``).
 
-``python -m omni_grpo.backends.megatron.verify parity OUT.json``
+``python -m omni_grpo.testing.megatron.verify parity OUT.json``
     Megatron forward logits vs transformers' ``Qwen3OmniMoeThinkerForConditionalGeneration`` on a
     factory checkpoint with audio + image + video + text (fp32, then bf16), positions from omni-rope.
-``torchrun --nproc-per-node 2 -m omni_grpo.backends.megatron.verify tp OUT.json``
+``torchrun --nproc-per-node 2 -m omni_grpo.testing.megatron.verify tp OUT.json``
     TP=2 / EP=2 / SP: logits parity against HF, two GRPO steps with the shared loss, and two
     weight-sync round trips (after load: against the checkpoint file; after the steps: against the
     trainer's own export written to disk) into a receiver process checking every tensor bit-exactly.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 def make_checkpoint(root: Path) -> dict[str, Path]:
     from omni_extract import extract
-    from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     paths = {"omni": root / "omni", "vl": root / "vl", "audio": root / "audio"}
     if not (paths["vl"] / "config.json").exists():
@@ -181,11 +181,11 @@ def tp_step(out: Path) -> dict[str, Any]:
 
     from omni_grpo.backends.megatron._mcore import mcore
     from omni_grpo.backends.megatron.model import SafetensorsDir, read_vl_config
-    from omni_grpo.backends.megatron.sender import push_to_receiver, start_receiver
     from omni_grpo.backends.megatron.train import MegatronTrainer, build_thinker, init_parallel
     from omni_grpo.config import AlgoConfig, MegatronConfig, TrainerConfig
     from omni_grpo.sync.base import ServerTensors
     from omni_grpo.sync.group import build_group, host_store
+    from omni_grpo.testing.megatron.sender import push_to_receiver, start_receiver
 
     mcfg = MegatronConfig(tp=2, ep=2, sp=True, precision="fp32", max_tokens_per_gpu=256)
     init_parallel(mcfg)

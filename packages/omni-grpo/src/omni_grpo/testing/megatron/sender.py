@@ -28,7 +28,7 @@ def start_receiver(
     cmd = [
         sys.executable,
         "-m",
-        "omni_grpo.backends.megatron.receiver",
+        "omni_grpo.testing.megatron.receiver",
         "--port",
         str(port),
         "--device",

@@ -1,0 +1,11 @@
+"""Test rigs shipped with omni-grpo, kept out of the product rooms.
+
+* :mod:`omni_grpo.testing.models` — hand-built Omni thinker batches (placeholders expanded as the
+  processor does) for parity tests and benchmarks.
+* :mod:`omni_grpo.testing.sync` — the server side of the distributed weight-sync protocol in real
+  processes, and the independently computed tensors a server must end up holding.
+* :mod:`omni_grpo.testing.megatron` — the GPU verification of the Megatron thinker and its
+  stand-in weight-sync receiver.
+
+Nothing in the product imports this package; tests, benchmarks and device runs do.
+"""
