@@ -20,9 +20,13 @@ from .worker_app import FakeEngine, FakeWorkerApp, GenerationRecord
 class BackgroundServer:
     """``with BackgroundServer(app) as s: s.url`` - uvicorn on 127.0.0.1, a free port."""
 
-    def __init__(self, app: Any, *, log_level: str = "warning"):
+    def __init__(
+        self, app: Any, *, log_level: str = "warning", host: str = "127.0.0.1", port: int = 0
+    ):
         self._app = app
         self._log_level = log_level
+        self._host = host
+        self._port = port
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -31,7 +35,7 @@ class BackgroundServer:
     def start(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((self._host, self._port))
         port = sock.getsockname()[1]
         config = uvicorn.Config(
             self._app,
@@ -55,7 +59,8 @@ class BackgroundServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"fake server on port {port} did not start")
             time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{port}"
+        host = "127.0.0.1" if self._host in ("0.0.0.0", "") else self._host
+        self.url = f"http://{host}:{port}"
 
     def stop(self) -> None:
         if self._server is not None:
@@ -105,6 +110,8 @@ class FakeOmniServer(BackgroundServer):
         startup_delay_s: float = 0.0,
         model_path: str = "fake/Qwen3-Omni",
         log_level: str = "warning",
+        host: str = "127.0.0.1",
+        port: int = 0,
     ):
         self.engine = FakeEngine(
             vocab_size=vocab_size,
@@ -121,7 +128,7 @@ class FakeOmniServer(BackgroundServer):
         self.worker = FakeWorkerApp(
             self.engine, self.faults, admin_api_key=admin_api_key, startup_delay_s=startup_delay_s
         )
-        super().__init__(self.worker.app, log_level=log_level)
+        super().__init__(self.worker.app, log_level=log_level, host=host, port=port)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, **kwargs: Any) -> FakeOmniServer:
