@@ -35,12 +35,28 @@ import httpx
 #: argv templates per server kind; ``{python}``, ``{model_path}``, ``{host}``, ``{port}`` are filled in.
 SERVER_ARGV: dict[str, tuple[str, ...]] = {
     "sglang-omni": (
-        "{python}", "-m", "sglang_omni.cli", "serve", "--model-path", "{model_path}",
-        "--text-only", "--host", "{host}", "--port", "{port}",
+        "{python}",
+        "-m",
+        "sglang_omni.cli",
+        "serve",
+        "--model-path",
+        "{model_path}",
+        "--text-only",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
     ),  # fmt: skip
     "fake": (
-        "{python}", "-m", "omni_grpo.testing.fake_server", "--model-path", "{model_path}",
-        "--host", "{host}", "--port", "{port}",
+        "{python}",
+        "-m",
+        "omni_grpo.testing.fake_server",
+        "--model-path",
+        "{model_path}",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
     ),  # fmt: skip
 }
 

@@ -4,6 +4,9 @@
   processor does) for parity tests and benchmarks.
 * :mod:`omni_grpo.testing.sync` — the server side of the distributed weight-sync protocol in real
   processes, and the independently computed tensors a server must end up holding.
+* :mod:`omni_grpo.testing.fake_server` — the fake sglang-omni server as a process (what
+  ``omni-grpo serve --kind fake`` and ``rollout.sglang.launch.kind: fake`` start), optionally with
+  distributed weight-sync receivers.
 * :mod:`omni_grpo.testing.megatron` — the GPU verification of the Megatron thinker and its
   stand-in weight-sync receiver.
 
