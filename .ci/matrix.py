@@ -20,6 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = ROOT / ".ci-venvs"
 PACKAGES = ["omni-extract", "omni-rope", "omni-audio-inject", "omni-rollout-client", "omni-grpo"]
+# What a package's core install (no extras) must not pull in: test servers and plotting stacks
+# belong to extras (`test`, `viz`), so `pip install omni-grpo` stays lean. Checked on the real
+# install: the core goes in first, is listed, and only then the test extra is added on top.
+CORE_MUST_NOT_PULL = {
+    "omni-grpo": ["starlette", "uvicorn", "matplotlib", "tensorboard"],
+}
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -56,6 +62,28 @@ def constraints() -> Path:
     return path
 
 
+def installed(py: Path) -> set[str]:
+    """Normalised names of the distributions installed in the venv of ``py``."""
+    out = subprocess.run(
+        ["uv", "pip", "freeze", "--python", str(py)], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    names = (ln.split("==")[0].split(" @ ")[0].strip() for ln in out.splitlines() if ln.strip())
+    return {n.lower().replace("_", "-") for n in names}
+
+
+def core_pulls(name: str, py: Path, cons: Path) -> list[str] | None:
+    """Install ``name`` without extras; return what of CORE_MUST_NOT_PULL it pulled (None: failed)."""
+    deps = local_deps(name)
+    core = [f"./packages/{d}" for d in deps]
+    if run(["uv", "pip", "install", "-q", "--python", str(py), "-c", str(cons), *core]).returncode:
+        return None
+    have = installed(py)
+    pulled = [dist for dist in CORE_MUST_NOT_PULL[name] if dist in have]
+    print(f"core install of {name}: {'pulls ' + ', '.join(pulled) if pulled else 'lean'} "
+          f"({len(have)} distributions; checked {', '.join(CORE_MUST_NOT_PULL[name])})", flush=True)
+    return pulled
+
+
 def junit_counts(xml: Path) -> tuple[int, int, int]:
     if not xml.exists():
         return 0, 0, 0
@@ -77,6 +105,14 @@ def main() -> int:
         venv = VENVS / name
         py = venv / "bin" / "python"
         run(["uv", "venv", "-q", "--python", "3.11", str(venv)], check=True)
+        lean = ""
+        if name in CORE_MUST_NOT_PULL:
+            pulled = core_pulls(name, py, cons)
+            if pulled is None or pulled:
+                why = "core install failed" if pulled is None else f"core pulls {', '.join(pulled)}"
+                rows.append((name, 0, 1, 0, time.time() - t0, why))
+                continue
+            lean = "; core lean"
         deps = local_deps(name)
         specs = [f"./packages/{deps[0]}[test]"] + [f"./packages/{d}" for d in deps[1:]]
         inst = run(["uv", "pip", "install", "-q", "--python", str(py), "-c", str(cons), *specs])
@@ -93,6 +129,7 @@ def main() -> int:
         )
         passed, failed, skipped = junit_counts(xml)
         note = {0: "ok", 1: "tests failed", 5: "NO TESTS COLLECTED"}.get(res.returncode, f"exit {res.returncode}")
+        note += lean
         if res.returncode not in (0,):
             failed = max(failed, 1)
         rows.append((name, passed, failed, skipped, time.time() - t0, note))

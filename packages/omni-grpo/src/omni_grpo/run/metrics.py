@@ -1,5 +1,8 @@
 """Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard, optional W&B.
 
+TensorBoard (the ``viz`` extra) and W&B (``wandb``) are side outputs: without their extra the
+logger warns once and writes ``metrics.jsonl`` alone.
+
 ``metrics.jsonl`` is the run's record: on resume it is truncated to the steps the checkpoint
 covers, so an interrupted-and-resumed run ends with exactly the lines an uninterrupted one writes.
 Keys under ``time/`` are wall-clock measurements (not reproducible by nature); everything else is
@@ -14,6 +17,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+from omni_grpo.extras import optional
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +74,18 @@ class MetricsLogger:
         # A long-lived append handle, closed in close(): one line per step, flushed each time.
         self._file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115
         self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        tb = optional("run.tensorboard") if tensorboard else None
+        if tb is not None:
+            self._tb = tb.SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         self._wandb = None
-        if wandb:
-            try:
-                import wandb as wandb_mod
-            except ImportError:
-                log.warning(
-                    "run.wandb is set but wandb is not installed (pip install omni-grpo[wandb]); skipping W&B"
-                )
-            else:
-                self._wandb = wandb_mod.init(
-                    project="omni-grpo",
-                    dir=str(self.run_dir),
-                    config=wandb_config or {},
-                    resume="allow",
-                )
+        wandb_mod = optional("run.wandb") if wandb else None
+        if wandb_mod is not None:
+            self._wandb = wandb_mod.init(
+                project="omni-grpo",
+                dir=str(self.run_dir),
+                config=wandb_config or {},
+                resume="allow",
+            )
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}

@@ -1,4 +1,8 @@
-"""PNG plots of a finished run from its ``metrics.jsonl`` (matplotlib, Agg: no display needed)."""
+"""PNG plots of a finished run from its ``metrics.jsonl`` (matplotlib, Agg: no display needed).
+
+matplotlib is in the ``viz`` extra; without it ``plot_run`` warns once and writes nothing (the
+data stays in ``metrics.jsonl``), so a lean install still finishes its runs.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omni_grpo.extras import optional
 from omni_grpo.run.metrics import read_metrics
 
 ACCURACY_PREFIX = "eval/accuracy/"
@@ -18,8 +23,9 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 def plot_run(run_dir: str | os.PathLike[str]) -> list[Path]:
     """Write ``reward.png`` and ``accuracy.png`` into ``<run>/plots``; return the files written."""
-    import matplotlib
-
+    matplotlib = optional("run.plots")
+    if matplotlib is None:
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
