@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,7 @@ def train_against_fake_server(tmp_path: Path) -> Callable[..., FakeServerRun]:
         prompts_per_step: int = 2,
         n_train: int = 4,
         n_eval: int = 2,
+        arm: Callable[[Any], None] | None = None,
     ) -> FakeServerRun:
         from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
         from omni_grpo.config import load_config
@@ -85,6 +87,8 @@ def train_against_fake_server(tmp_path: Path) -> Callable[..., FakeServerRun]:
                     *overrides,
                 ],
             )
+            if arm is not None:  # e.g. inject server faults before training starts
+                arm(server)
             train(cfg, progress=False)
             return FakeServerRun(run_dir, omni, list(server.records), server.weight_version)
 

@@ -35,3 +35,23 @@ def test_train_two_steps_with_sglang_omni_engine_and_disk_sync(train_against_fak
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     synced = [line["weight_sync/tensors"] for line in lines if line.get("step", 0) >= 1]
     assert synced == [len(hub)] * 2
+
+
+def test_failed_weight_sync_saves_a_checkpoint_before_stopping(
+    train_against_fake_server, tmp_path
+) -> None:
+    """Issue 15 item 3: a disk update that keeps failing (past the client's bounded retries)
+    stops the run, but only after the step's update is checkpointed."""
+    import pytest
+    from omni_grpo.run.checkpoint import latest_checkpoint
+    from omni_grpo.sync.base import WeightSyncError
+
+    def always_500(server) -> None:
+        server.faults.fail_next(1000, status=500, route="/update_weights_from_disk")
+
+    with pytest.raises(WeightSyncError, match="does not report weight_version 'step-1'"):
+        train_against_fake_server(
+            ["rollout.sglang.sync_mode=disk", "trainer.device=cpu"], arm=always_500
+        )
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt is not None and ckpt.name == "step_000001"

@@ -222,8 +222,12 @@ async def test_speech_pipeline_needs_thinker_scope(make_server):
             ["lm_head.weight"], ["bfloat16"], [[4, 4]], weight_version="t1"
         )
         assert (await client.model_info(stages=["thinker"])).weight_version == "t1"
+        # Scoped by default like pause/continue: the talker's old version does not 409 it.
+        assert (await client.model_info()).weight_version == "t1"
+        assert (await client.weight_version()) == "t1"
+        await client.wait_until_ready(timeout_s=5, poll_s=0.05)
         with pytest.raises(ConflictError):
-            await client.model_info()  # thinker t1 vs talker default: mixed -> 409
+            await client.model_info(stages=None)  # thinker t1 vs talker default: mixed -> 409
 
 
 @pytest.mark.asyncio

@@ -322,6 +322,9 @@ def train(
         backend.load_optimizer_state(optim_state)
         restore_rng(rng)
         log.info("resumed from %s (step %d)", ckpt, state.step)
+        if sync is not None and state.step > 0:
+            # The servers may hold older weights (a run stopped by a failed sync saves first).
+            sync.push(backend.state_dict_for_sync(), version=f"step-{state.step}")
     elif resume:
         log.warning(
             "resume requested but %s has no checkpoint; starting from scratch",
@@ -400,7 +403,19 @@ def train(
                 t_train = time.perf_counter() - t1
                 # weight sync (remote engines only; the embedded engine shares the module)
                 if sync is not None:
-                    report = sync.push(backend.state_dict_for_sync(), version=f"step-{step}")
+                    try:
+                        report = sync.push(backend.state_dict_for_sync(), version=f"step-{step}")
+                    except Exception:
+                        # The sync retried what it could; keep the step's update before stopping.
+                        state.step = step
+                        checkpoint()
+                        log.error(
+                            "weight sync of step %d failed; saved the checkpoint of step %d first "
+                            "(resume with --resume: the weights are pushed again)",
+                            step,
+                            step,
+                        )
+                        raise
                     metrics.update(getattr(report, "metrics", dict)())
                 # metrics / eval / checkpoint
                 metrics.update(rollout_metrics(groups, rewards))

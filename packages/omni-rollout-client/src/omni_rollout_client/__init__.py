@@ -23,7 +23,14 @@ from .errors import (
     TransientServerError,
     WeightUpdateError,
 )
-from .payload import MM_TENSOR_NAMES, RESERVED_METADATA_KEYS, PreparedPrompt, build_generate_body
+from .payload import (
+    MM_TENSOR_NAMES,
+    QWEN3_OMNI_MEDIA_IDS,
+    RESERVED_METADATA_KEYS,
+    MediaTokenIds,
+    PreparedPrompt,
+    build_generate_body,
+)
 from .result import GenerateResult, parse_generate_response
 from .retry import RetryPolicy
 from .sampling import filter_sampling_params
@@ -43,11 +50,13 @@ __all__ = [
     "GenerationAbortedError",
     "HealthStatus",
     "MM_TENSOR_NAMES",
+    "MediaTokenIds",
     "ModelInfo",
     "NotSupportedError",
     "OmniClientError",
     "OmniRolloutClient",
     "PreparedPrompt",
+    "QWEN3_OMNI_MEDIA_IDS",
     "RESERVED_METADATA_KEYS",
     "RankPlan",
     "ResponseContractError",

@@ -11,13 +11,28 @@ Admin calls that move weights (group init, distributed update, disk update) are 
 the connection could not be opened, because re-sending a half-processed update could leave the
 server waiting for a broadcast the trainer will never send. Read-only and pause/continue calls
 retry on every transient failure (an unknown-stage 500 makes sglang-omni close the keep-alive
-connection silently; the next pooled request then fails with a read error).
+connection silently; the next pooled request then fails with a read error). A disk update of the
+same path under the same version is idempotent, so it is retried on any transient failure within
+the same budget; before each retry, and before any weight update is declared failed, the version is
+re-read from ``/model_info``: sglang-omni answers a server-side timeout with a 500 although its
+scheduler still applies the update.
+
+Every admin call carries a server-side ``timeout_s`` derived from this client's own read timeout
+(``Timeouts.server_admin_s``), so the server gives up (and says so) before the client does; the
+server's own defaults (disk update 120 s, pause 60 s) would otherwise fail a slow load early.
+
+Requests nobody will read are aborted on the server: sglang-omni 0.1.9 runs a /generate to the end
+even after its HTTP request was cancelled or timed out, and has no per-request abort route (no
+request id is returned either). The client counts such orphans and, as soon as none of its own
+requests is in flight, sends ``pause_generation("abort")`` + ``continue_generation`` (new requests
+wait meanwhile), so the GPU does not keep decoding samples that were given up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,10 +62,12 @@ from .errors import (
     ServerResponseError,
     TransientServerError,
 )
-from .payload import PreparedPrompt, build_generate_body
+from .payload import QWEN3_OMNI_MEDIA_IDS, MediaTokenIds, PreparedPrompt, build_generate_body
 from .result import GenerateResult, concat_results, parse_generate_response
 from .retry import RetryPolicy
 from .sampling import filter_sampling_params
+
+log = logging.getLogger(__name__)
 
 
 class Retry(Enum):
@@ -63,6 +80,13 @@ class Retry(Enum):
 
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
+# A read timeout means the server got the whole request and may still be working on it.
+_ORPHANING_ERRORS = (httpx.ReadTimeout,)
+
+# Seconds the server-side admin timeout stays below the client's read timeout, so the server's
+# answer (a 500 after its own timeout) arrives before the client stops listening.
+SERVER_TIMEOUT_MARGIN_S = 5.0
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -74,6 +98,12 @@ class Timeouts:
     generate: float = 1800.0
     admin: float = 600.0
     pool: float | None = None
+
+    @property
+    def server_admin_s(self) -> float:
+        """The ``timeout_s`` sent with every admin call: a little below ``admin`` (at least 90% of
+        it), so the server's timeout fires first and its reply still reaches us."""
+        return max(self.admin * 0.9, self.admin - SERVER_TIMEOUT_MARGIN_S, 0.1)
 
 
 @dataclass(frozen=True)
@@ -146,7 +176,10 @@ class OmniRolloutClient:
         model: str | None = None,
         vocab_size: int | None = None,
         seed: int | None = None,
+        media_ids: MediaTokenIds | None = QWEN3_OMNI_MEDIA_IDS,
     ):
+        """``media_ids``: the checkpoint's media placeholder ids, used to refuse interleaved
+        audio-in-video prompts (the released Qwen3-Omni ids by default)."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency: expected >= 1, got {max_concurrency}")
         self.base_url = base_url.rstrip("/")
@@ -157,9 +190,17 @@ class OmniRolloutClient:
         self.stages = list(stages) if stages is not None else None
         self.model = model
         self.vocab_size = vocab_size
+        self.media_ids = media_ids
         self._rng = random.Random(seed)
         self._slots = asyncio.Semaphore(max_concurrency)
         self._abort_epoch = 0
+        # /generate requests on the wire, and ones given up (cancelled, read timeout) that the
+        # server may still be running; see the module docstring.
+        self._in_flight = 0
+        self._orphans = 0
+        self.orphans_aborted = 0
+        self._reaping: asyncio.Event | None = None
+        self._reap_tasks: set[asyncio.Task[None]] = set()
         connections = max_connections or max_concurrency + 8  # headroom for admin calls
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -186,6 +227,10 @@ class OmniRolloutClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._orphans and not self._in_flight:
+            self._schedule_reap()
+        if self._reap_tasks:
+            await asyncio.gather(*self._reap_tasks, return_exceptions=True)
         await self._http.aclose()
 
     def clone_for(self, base_url: str) -> OmniRolloutClient:
@@ -199,6 +244,7 @@ class OmniRolloutClient:
             stages=self.stages,
             model=self.model,
             vocab_size=self.vocab_size,
+            media_ids=self.media_ids,
         )
 
     # ------------------------------------------------------------------ transport
@@ -218,11 +264,14 @@ class OmniRolloutClient:
         read_timeout: float,
         abort_epoch: int | None = None,
         limited: bool = False,
+        generation: bool = False,
     ) -> tuple[int, Any, int]:
         """Send with retries; return ``(status, body, attempts)`` for 2xx, raise otherwise.
 
         ``limited`` requests hold a concurrency slot per attempt (not during backoff sleeps);
         ``abort_epoch`` marks a /generate whose failure after our own abort must not be retried.
+        ``generation`` attempts are counted in flight; one cancelled or timed out on the read is an
+        orphan the server keeps running (aborted once nothing of ours is in flight).
         """
         headers = self._admin_headers() if admin else {}
         timeout = httpx.Timeout(
@@ -246,14 +295,27 @@ class OmniRolloutClient:
                         "Content-Length": str(sum(len(c) for c in chunks)),
                     }
                 async with self._slots if limited else contextlib.nullcontext():
-                    response = await self._http.request(
-                        method,
-                        route,
-                        content=content,
-                        json=json_body if chunks is None else None,
-                        headers={**headers, **(headers_for_body or {})},
-                        timeout=timeout,
-                    )
+                    if generation:
+                        await self._not_reaping()
+                        self._in_flight += 1
+                    try:
+                        response = await self._http.request(
+                            method,
+                            route,
+                            content=content,
+                            json=json_body if chunks is None else None,
+                            headers={**headers, **(headers_for_body or {})},
+                            timeout=timeout,
+                        )
+                    except (asyncio.CancelledError, *_ORPHANING_ERRORS):
+                        if generation:
+                            self._orphans += 1
+                        raise
+                    finally:
+                        if generation:
+                            self._in_flight -= 1
+                            if self._orphans and not self._in_flight:
+                                self._schedule_reap()
             except httpx.TransportError as exc:
                 retryable = retry is Retry.ALL or (
                     retry is Retry.CONNECT and isinstance(exc, _CONNECT_ERRORS)
@@ -284,6 +346,53 @@ class OmniRolloutClient:
                 )
             await asyncio.sleep(self.retry.delay(attempt, self._rng))
 
+    async def _not_reaping(self) -> None:
+        if self._reaping is not None:
+            await self._reaping.wait()
+
+    def _schedule_reap(self) -> None:
+        """Called when orphans exist and none of our requests is on the wire: hold new sends
+        (synchronously, so none slips in) and abort in the background."""
+        if self._reaping is None:
+            self._reaping = asyncio.Event()
+            self._reaping.set()
+        if not self._reaping.is_set():
+            return  # one already running
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no running loop (interpreter shutdown): nothing we can send
+            return
+        self._reaping.clear()
+        task = loop.create_task(self._reap_orphans())
+        self._reap_tasks.add(task)
+        task.add_done_callback(self._reap_tasks.discard)
+
+    async def _reap_orphans(self) -> None:
+        """Abort what the server still runs for requests we gave up. It does not bump the abort
+        epoch: none of our requests is in flight, and a retry waiting to be sent is still wanted."""
+        assert self._reaping is not None
+        orphans, self._orphans = self._orphans, 0
+        try:
+            try:
+                await self._admin("/pause_generation", {"mode": "abort"}, retry=Retry.ALL)
+            finally:
+                await self.continue_generation()
+            self.orphans_aborted += orphans
+            log.info(
+                "%s: aborted %d abandoned /generate request(s) still running on the server",
+                self.base_url,
+                orphans,
+            )
+        except Exception as exc:  # noqa: BLE001 - best effort; the caller's own error matters more
+            log.warning(
+                "%s: could not abort %d abandoned /generate request(s): %s",
+                self.base_url,
+                orphans,
+                exc,
+            )
+        finally:
+            self._reaping.set()
+
     @staticmethod
     def _error(route: str, status: int, body: Any) -> ServerResponseError:
         detail = _detail(body)
@@ -310,9 +419,18 @@ class OmniRolloutClient:
         mm: Mapping[str, Any] | None = None,
         *,
         bf16: bool | Sequence[str] = True,
+        use_audio_in_video: bool = False,
     ) -> PreparedPrompt:
-        """Validate and encode a prompt once (see ``PreparedPrompt.build``)."""
-        return PreparedPrompt.build(input_ids, mm, bf16=bf16, vocab_size=self.vocab_size)
+        """Validate and encode a prompt once (see ``PreparedPrompt.build``); audio-in-video
+        prompts are refused (the 0.1.9 server has no audio-in-video field)."""
+        return PreparedPrompt.build(
+            input_ids,
+            mm,
+            bf16=bf16,
+            vocab_size=self.vocab_size,
+            use_audio_in_video=use_audio_in_video,
+            media_ids=self.media_ids,
+        )
 
     async def generate(
         self,
@@ -324,15 +442,20 @@ class OmniRolloutClient:
     ) -> GenerateResult:
         """One completion. Text-only output, logprobs always on.
 
-        ``max_resumes`` > 0 continues a sample the server finished with ``abort`` (up to that many
-        times) using the remaining token budget; see ``resume``.
+        ``sampling_params['max_new_tokens']`` (or ``max_tokens``) is required: without it
+        sglang-omni silently applies its own default (2048), and a sample's budget must be known
+        to resume it. ``max_resumes`` > 0 continues a sample the server finished with ``abort``
+        (up to that many times) using the remaining token budget; see ``resume``.
         """
         if not isinstance(prompt, PreparedPrompt):
-            prompt = PreparedPrompt.build(prompt, None, vocab_size=self.vocab_size)
+            prompt = PreparedPrompt.build(
+                prompt, None, vocab_size=self.vocab_size, media_ids=self.media_ids
+            )
         sampling = filter_sampling_params(sampling_params)
-        if max_resumes > 0 and "max_new_tokens" not in sampling:
+        if "max_new_tokens" not in sampling:
             raise ClientValidationError(
-                "max_resumes > 0 needs sampling_params['max_new_tokens'] (the total token budget)"
+                "sampling_params['max_new_tokens'] is required (the sample's token budget; "
+                "sglang-omni would otherwise apply its own default of 2048)"
             )
         chunks = build_generate_body(prompt, sampling, metadata=metadata, model=self.model)
         _, body, attempts = await self._send(
@@ -344,6 +467,7 @@ class OmniRolloutClient:
             read_timeout=self.timeouts.generate,
             abort_epoch=self._abort_epoch,
             limited=True,
+            generation=True,
         )
         result = parse_generate_response(body, attempts=attempts)
         if result.prompt_tokens != len(prompt.input_ids):
@@ -480,9 +604,16 @@ class OmniRolloutClient:
                 )
             await asyncio.sleep(poll_s)
 
-    async def model_info(self, stages: Sequence[str] | None = None) -> ModelInfo:
-        """``/model_info``: weight version, model path, and the thinker TP size per worker."""
-        if stages is None:
+    async def model_info(self, stages: Sequence[str] | None | bool = True) -> ModelInfo:
+        """``/model_info``: weight version, model path, and the thinker TP size per worker.
+
+        Scoped like pause/continue (default: this client's ``stages``, i.e. the thinker): 0.1.9
+        aggregates ``weight_version`` over every stage it is asked about and answers 409 when they
+        differ, which on a speech pipeline is always the case after a thinker-only update (the
+        talker keeps its version). ``stages=None`` asks every stage (GET, the server's default).
+        """
+        scope = self.stages if stages is True else (None if stages is False else stages)
+        if scope is None:
             _, body, _ = await self._send(
                 "GET", "/model_info", admin=True, retry=Retry.ALL, read_timeout=self.timeouts.admin
             )
@@ -490,10 +621,17 @@ class OmniRolloutClient:
             _, body, _ = await self._send(
                 "POST",
                 "/model_info",
-                json_body={"stages": list(stages)},
+                json_body={"stages": list(scope), "timeout_s": self.timeouts.server_admin_s},
                 admin=True,
                 retry=Retry.ALL,
                 read_timeout=self.timeouts.admin,
+            )
+        if not isinstance(body, Mapping):
+            raise ResponseContractError(
+                f"/model_info: expected a JSON object, got {str(body)[:200]!r}",
+                route="/model_info",
+                status_code=200,
+                detail=body,
             )
         reply = parse_admin_reply("/model_info", 200, body)
         tp = tuple(
@@ -539,6 +677,7 @@ class OmniRolloutClient:
         scope = self.stages if stages is True else stages
         if scope is not None and scope is not False:
             body["stages"] = list(scope)
+        body.setdefault("timeout_s", self.timeouts.server_admin_s)
         status, reply_body, _ = await self._send(
             "POST", route, json_body=body, admin=True, retry=retry, read_timeout=self.timeouts.admin
         )
@@ -575,7 +714,9 @@ class OmniRolloutClient:
 
     async def abort_all(self) -> AdminReply:
         """End-of-rollout abort: pause(abort) then continue (sglang-omni has no /abort_request).
-        Continue is sent even if the pause failed, so the engine is not left paused."""
+        Continue is sent even if the pause failed, so the engine is not left paused. It also
+        clears this client's orphan count (everything running was just dropped)."""
+        self._orphans = 0
         try:
             await self.pause_generation("abort")
         finally:
@@ -641,7 +782,11 @@ class OmniRolloutClient:
             payload["weight_version"] = str(weight_version)
         if load_format is not None:
             payload["load_format"] = load_format
-        return await self._admin("/update_weights_from_distributed", payload, retry=Retry.CONNECT)
+        # Not idempotent (a re-send would wait for a broadcast the trainer will not repeat), but a
+        # server-side timeout may still have applied it: re-read the version before failing.
+        return await self._weight_update(
+            "/update_weights_from_distributed", payload, idempotent=False
+        )
 
     async def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"
@@ -672,7 +817,64 @@ class OmniRolloutClient:
             payload["weight_version"] = str(weight_version)
         if load_format is not None:
             payload["load_format"] = load_format
-        return await self._admin("/update_weights_from_disk", payload, retry=Retry.CONNECT)
+        return await self._weight_update("/update_weights_from_disk", payload, idempotent=True)
+
+    async def _weight_update(
+        self, route: str, payload: dict[str, Any], *, idempotent: bool
+    ) -> AdminReply:
+        """Send a weight update; on a transient failure re-read the version, and retry an
+        idempotent one (same path, same version) within ``retry.max_attempts``.
+
+        A 500 or read timeout does not mean the update failed: the server's coordinator times
+        out while its scheduler still loads the weights. If ``/model_info`` then reports the
+        requested ``weight_version``, the update is done and is not sent again.
+        """
+        version = payload.get("weight_version")
+        attempts = self.retry.max_attempts if idempotent else 1
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self._admin(
+                    route, payload, retry=Retry.NONE if idempotent else Retry.CONNECT
+                )
+            except TransientServerError as exc:
+                failure = exc
+            applied = version is not None and await self._version_is(version)
+            if applied:
+                log.warning(
+                    "%s %s: %s; /model_info reports weight_version %r, so the update was applied",
+                    self.base_url,
+                    route,
+                    failure,
+                    version,
+                )
+                return AdminReply(
+                    route=route,
+                    status_code=failure.status_code or 0,
+                    success=True,
+                    body={"recovered_from": str(failure), "weight_version": version},
+                )
+            if attempt >= attempts:
+                checked = (
+                    f"; /model_info does not report weight_version {version!r}"
+                    if version is not None
+                    else ""
+                )
+                raise TransientServerError(
+                    f"{route} failed after {attempt} attempt(s){checked}: {failure}",
+                    route=route,
+                    status_code=failure.status_code,
+                    attempts=attempt,
+                    detail=failure.detail,
+                ) from failure
+            await asyncio.sleep(self.retry.delay(attempt, self._rng))
+
+    async def _version_is(self, version: str) -> bool:
+        try:
+            return (await self.model_info()).weight_version == version
+        except (ServerResponseError, httpx.TransportError):
+            return False
 
     async def weights_checksum(self) -> AdminReply:
         """``/weights_checker`` checksum (SHA256 over names, dtypes, shapes, bytes) per stage:

@@ -71,6 +71,54 @@ PROCESSOR_ID_KEYS: frozenset[str] = frozenset({"input_ids", "attention_mask"})
 TOKEN_ID_BOUND = 1 << 63
 
 
+@dataclass(frozen=True)
+class MediaTokenIds:
+    """Placeholder ids that frame media in a Qwen3-Omni prompt (``thinker_config`` fields)."""
+
+    vision_start: int
+    vision_end: int
+    audio_start: int
+    audio_pad: int
+
+
+# The released Qwen3-Omni thinker's ids (config.json ``thinker_config``); a checkpoint with other
+# ids (the tiny test models) passes its own to the client.
+QWEN3_OMNI_MEDIA_IDS = MediaTokenIds(
+    vision_start=151652, vision_end=151653, audio_start=151669, audio_pad=151675
+)
+
+
+def check_no_audio_in_video(ids: Sequence[int], media_ids: MediaTokenIds | None) -> None:
+    """Refuse audio placeholders inside a ``<vision_start> ... <vision_end>`` span.
+
+    That is the processor's ``use_audio_in_video`` layout (a video's audio interleaved with its
+    frames). sglang-omni 0.1.9's ``multimodal_train_inputs`` has no audio-in-video field, so the
+    server would compute the M-RoPE positions of such a prompt as if audio and video were separate
+    items — wrongly, and without an error.
+    """
+    if media_ids is None or not ids:
+        return
+    array = np.asarray(ids)
+    starts = np.flatnonzero(array == media_ids.vision_start)
+    if starts.size == 0:
+        return
+    ends = np.flatnonzero(array == media_ids.vision_end)
+    audio = np.flatnonzero((array == media_ids.audio_pad) | (array == media_ids.audio_start))
+    if audio.size == 0:
+        return
+    for start in starts.tolist():
+        later_ends = ends[ends > start]
+        end = int(later_ends[0]) if later_ends.size else len(ids)
+        inside = audio[(audio > start) & (audio < end)]
+        if inside.size:
+            raise ClientValidationError(
+                f"input_ids[{int(inside[0])}]: an audio placeholder inside the video span "
+                f"starting at input_ids[{start}] (interleaved audio-in-video): the sglang-omni "
+                "0.1.9 server has no audio-in-video field in multimodal_train_inputs and would "
+                "place it wrongly; send the audio and the video as separate items"
+            )
+
+
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
@@ -177,8 +225,12 @@ class PreparedPrompt:
         bf16: bool | Iterable[str] = True,
         vocab_size: int | None = None,
         use_audio_in_video: bool = False,
+        media_ids: MediaTokenIds | None = QWEN3_OMNI_MEDIA_IDS,
     ) -> PreparedPrompt:
         """Validate and encode.
+
+        Audio-in-video prompts are refused (``use_audio_in_video=True``, or ids whose video span
+        holds audio placeholders, found with ``media_ids``): the 0.1.9 server has no field for it.
 
         ``bf16=True`` casts the float payload tensors (pixels, mel features) to bfloat16, halving
         the wire bytes; the trainer must then use ``trainer_tensors()`` so it sees the same rounded
@@ -189,6 +241,7 @@ class PreparedPrompt:
                 "use_audio_in_video=True cannot be expressed in multimodal_train_inputs (sglang-omni 0.1.9 has no field for it); send audio and video as separate items"
             )
         ids = normalize_input_ids(input_ids, vocab_size=vocab_size)
+        check_no_audio_in_video(ids, media_ids)
         tensors = validate_mm_tensors(mm or {})
         cast = BF16_CASTABLE if bf16 is True else frozenset() if bf16 is False else frozenset(bf16)
         if cast - BF16_CASTABLE:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "status" | "drop" | "delay" | "abort_finish"
+    kind: str  # "status" | "drop" | "delay" | "abort_finish" | "slow"
     status: int = 503
     seconds: float = 0.0
     after_tokens: int = 0
@@ -39,6 +39,15 @@ class Faults:
     def delay_next(self, count: int = 1, *, seconds: float, route: str = "/generate") -> None:
         """Sleep ``seconds`` before handling each of the next ``count`` requests (slow server)."""
         self._arm(route, Fault("delay", seconds=seconds), count)
+
+    def slow_next(self, count: int = 1, *, seconds: float, route: str) -> None:
+        """The next ``count`` admin calls of ``route`` take ``seconds`` on the stage's scheduler.
+
+        As on sglang-omni 0.1.9, the coordinator waits at most the request's ``timeout_s`` (or
+        the route's default): past it the reply is a plain-text 500, but the work is already
+        queued and is still applied when the ``seconds`` are up.
+        """
+        self._arm(route, Fault("slow", seconds=seconds), count)
 
     def abort_finish_next(self, count: int = 1, *, after_tokens: int = 1) -> None:
         """Finish the next ``count`` generations early with ``finish_reason.type == "abort"``

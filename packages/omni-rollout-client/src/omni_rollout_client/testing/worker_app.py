@@ -83,6 +83,19 @@ UPDATE_ACTIONS = frozenset(
 )
 MAX_STOP_STRINGS = 32
 
+# The coordinator's wait for an admin call when the request gives no ``timeout_s`` (0.1.9's
+# ``timeout_or_default`` in serve/openai_api.py).
+DEFAULT_ADMIN_TIMEOUT_S: dict[str, float] = {
+    "model_info": 30.0,
+    "pause_generation": 60.0,
+    "continue_generation": 60.0,
+    "update_weights_from_disk": 120.0,
+    "init_weights_update_group": 300.0,
+    "destroy_weights_update_group": 300.0,
+    "update_weights_from_distributed": 300.0,
+    "weights_checker": 120.0,
+}
+
 
 class HTTPError(Exception):
     def __init__(self, status: int, detail: Any, headers: dict[str, str] | None = None):
@@ -163,6 +176,14 @@ class FakeEngine:
         self.max_active = 0
         self._lock = threading.Lock()
         self._resume: asyncio.Event | None = None
+        self._scheduler: asyncio.Lock | None = None
+
+    def scheduler(self) -> asyncio.Lock:
+        """The AR stage's scheduler thread: admin work runs on it one call at a time, so a
+        /model_info sent while a slow update is loading waits for that update (as on 0.1.9)."""
+        if self._scheduler is None:
+            self._scheduler = asyncio.Lock()
+        return self._scheduler
 
     # -- pause gate
     def _event(self) -> asyncio.Event:
@@ -211,6 +232,7 @@ class FakeWorkerApp:
         self._admin_key = admin_api_key
         self.startup_delay_s = startup_delay_s
         self._started_at: float | None = None
+        self._background: set[asyncio.Future[Any]] = set()
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -582,14 +604,28 @@ class FakeWorkerApp:
         async def handler(request: Request) -> Response:
             self._check_auth(request)
             fault = await self._apply_fault(request.url.path)
-            del fault
             try:
                 req = model.model_validate(await self._json(request))
             except ValidationError as exc:
                 return _validation_422(exc)
+            if fault is not None and fault.kind == "slow":
+                return await self._slow_admin(action, req, fault.seconds, handle)
+            return await handle(req)
+
+        async def handle(req: BaseModel, locked: bool = False) -> Response:
+            if not locked:
+                async with self.engine.scheduler():
+                    return await handle(req, locked=True)
             payload = req.model_dump(exclude={"stages", "timeout_s"}, exclude_none=True)
             self.engine.admin_log.append(
-                (request.url.path, {**payload, "stages": getattr(req, "stages", None)})
+                (
+                    f"/{action}",
+                    {
+                        **payload,
+                        "stages": getattr(req, "stages", None),
+                        "timeout_s": getattr(req, "timeout_s", None),
+                    },
+                )
             )
             try:
                 stages = self._resolve_stages(req.stages)
@@ -606,6 +642,37 @@ class FakeWorkerApp:
             return JSONResponse(envelope)
 
         return handler
+
+    async def _slow_admin(
+        self, action: str, req: BaseModel, seconds: float, handle: Any
+    ) -> Response:
+        """The scheduler takes ``seconds``; the coordinator waits ``timeout_s`` at most, then the
+        uncaught ``TimeoutError`` is a plain-text 500 — while the queued work still completes."""
+
+        async def work() -> Response:
+            async with self.engine.scheduler():
+                await asyncio.sleep(seconds)
+                try:
+                    return await handle(req, locked=True)
+                except HTTPError as exc:  # a failed envelope after the client stopped waiting
+                    return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+        timeout = getattr(req, "timeout_s", None)
+        timeout = DEFAULT_ADMIN_TIMEOUT_S[action] if timeout is None else float(timeout)
+        task = asyncio.ensure_future(work())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            self.engine.admin_log.append((f"/{action}:timed_out", {"timeout_s": timeout}))
+            return PlainTextResponse(
+                "Internal Server Error", status_code=500, headers={"Connection": "close"}
+            )
+        result = task.result()
+        if result.status_code >= 400:
+            detail = json.loads(bytes(result.body))["detail"]
+            raise HTTPError(result.status_code, detail)
+        return result
 
     def _do_pause_generation(self, stage: str, payload: dict[str, Any]) -> dict[str, Any]:
         mode = str(payload.get("mode") or "abort")
@@ -787,13 +854,24 @@ class FakeWorkerApp:
 
     async def model_info(self, request: Request) -> Response:
         self._check_auth(request)
-        stages = None
+        stages = timeout_s = None
         if request.method == "POST":
             try:
-                stages = C.AdminBase.model_validate(await self._json(request)).stages
+                envelope_req = C.AdminBase.model_validate(await self._json(request))
             except ValidationError as exc:
                 return _validation_422(exc)
-        self.engine.admin_log.append(("/model_info", {"stages": stages}))
+            stages, timeout_s = envelope_req.stages, envelope_req.timeout_s
+        self.engine.admin_log.append(("/model_info", {"stages": stages, "timeout_s": timeout_s}))
+        try:  # queued behind admin work on the scheduler, bounded by the coordinator's wait
+            await asyncio.wait_for(
+                self.engine.scheduler().acquire(),
+                DEFAULT_ADMIN_TIMEOUT_S["model_info"] if timeout_s is None else timeout_s,
+            )
+        except TimeoutError:
+            return PlainTextResponse(
+                "Internal Server Error", status_code=500, headers={"Connection": "close"}
+            )
+        self.engine.scheduler().release()
         try:
             resolved = self._resolve_stages(stages)
         except HTTPError:
