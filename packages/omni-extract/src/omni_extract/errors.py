@@ -41,3 +41,7 @@ class FrozenTensorError(ExtractError):
 
 class DestinationExistsError(ExtractError):
     """The destination exists and ``overwrite`` was not given."""
+
+
+class NotAnExportError(DestinationExistsError):
+    """``overwrite`` was asked for a directory that ``export`` did not write (no marker file)."""

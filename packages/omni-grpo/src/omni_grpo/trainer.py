@@ -43,6 +43,7 @@ from omni_grpo.run.checkpoint import (
 from omni_grpo.run.metrics import MetricsLogger
 from omni_grpo.run.plots import plot_run
 from omni_grpo.run.progress import TrainProgress
+from omni_grpo.run.stored_config import store_run_config
 from omni_grpo.types import Completion, PromptInputs
 
 if TYPE_CHECKING:
@@ -271,6 +272,7 @@ def train(
     t_start = time.perf_counter()
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    store_run_config(cfg, run_dir)  # export and humans read the run's base and settings from it
     configure_threads()
 
     # --- model and data, made once per run directory

@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 from . import contract as C
 from .faults import Faults
 from .generator import FakeRequest, Generator, make_hash_generator
+from .loader_names import check_disk_checkpoint
 
 TEXT_ONLY_STAGES = (
     "preprocessing",
@@ -166,6 +167,7 @@ class FakeEngine:
         self.weight_versions = {s: "default" for s in AR_STAGES if s in self.stages}
         self.model_path = model_path
         self.load_format: str | None = None
+        self.last_disk_report: Any = None  # loader_names.LoaderReport of the last disk update
         self.paused = False
         self.pause_mode: str | None = None
         self.groups: dict[str, dict[str, Any]] = {}
@@ -792,6 +794,9 @@ class FakeWorkerApp:
                     False,
                     f"Failed to update weights: model path {p['model_path']!r} does not exist",
                 )
+            problem = self._check_disk_weights(Path(p["model_path"]))
+            if problem is not None:
+                return False, f"Failed to update weights: {problem}"
             self.engine.model_path = p["model_path"]
             self.engine.load_format = p.get("load_format")
             self._set_version(stage, p)
@@ -808,6 +813,28 @@ class FakeWorkerApp:
             },
             keep_pause_on_failure=False,
         )
+
+    def _check_disk_weights(self, path: Path) -> str | None:
+        """The real thinker loader's view of a weight directory (``loader_names``): shapes it
+        cannot load fail the update as on the real server; names it would silently DROP fail it
+        here too (the real server only logs), so a test never passes on weights that vanished."""
+        if not path.is_dir() or not any(path.glob("*.safetensors")):
+            return None
+        config = None
+        for candidate in (path, Path(self.engine.model_path)):
+            if (candidate / "config.json").is_file():
+                config = json.loads((candidate / "config.json").read_text())
+                break
+        report = check_disk_checkpoint(path, config)
+        self.engine.last_disk_report = report
+        if report.bad_shapes:
+            return f"size mismatch for {report.bad_shapes[0]}"
+        if report.dropped:
+            return (
+                f"{len(report.dropped)} tensor name(s) match no thinker parameter and would be "
+                f"dropped silently, e.g. {report.dropped[0]!r}"
+            )
+        return None
 
     def _do_init_weights_update_group(self, stage: str, payload: dict[str, Any]) -> dict[str, Any]:
         world, offset = payload["world_size"], payload.get("rank_offset", 0)

@@ -1,0 +1,67 @@
+"""``export_run``: a run's checkpoint as a full Qwen3-Omni (or pseudo-VL) checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omni_extract.export import ExportFormat, ExportResult, export_trained
+from omni_extract.plan import DtypeChoice
+from omni_extract.source import open_source
+from omni_extract.trained import NoTrained, TrainedWeights
+
+from omni_grpo.export.run import (
+    RunCheckpoint,
+    check_complete,
+    default_base,
+    find_checkpoint,
+    open_trained,
+)
+
+
+def export_run(
+    run_dir: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    fmt: ExportFormat = "omni",
+    base: str | os.PathLike[str] | None = None,
+    dtype: DtypeChoice = "keep",
+    shard_size: int | None = None,
+    overwrite: bool = False,
+    progress: Any = None,
+) -> tuple[ExportResult, RunCheckpoint]:
+    """Export checkpoint ``step`` of ``run_dir`` (default: the newest complete one) to ``dst``.
+
+    ``base`` defaults to the run's own ``model.omni_checkpoint``. Raises
+    :class:`omni_grpo.export.run.ExportError` or an ``omni_extract`` error naming what is wrong.
+    """
+    run = Path(run_dir)
+    ckpt = find_checkpoint(run, step)
+    base_dir = Path(base) if base is not None else default_base(run)
+    source = open_source(base_dir)
+    trained: TrainedWeights
+    if ckpt.path is None:
+        trained = NoTrained()
+    else:
+        trained = open_trained(ckpt.files, source)
+        check_complete(trained, source, ckpt.path)
+    provenance = {
+        "run_dir": str(run.resolve()),
+        "step": ckpt.step,
+        "checkpoint": str(ckpt.path.resolve()) if ckpt.path else None,
+        "checkpoint_format": type(trained).__name__ if ckpt.path else None,
+    }
+    result = export_trained(
+        base_dir,
+        dst,
+        trained,
+        fmt=fmt,
+        dtype=dtype,
+        shard_size=shard_size,
+        overwrite=overwrite,
+        provenance=provenance,
+        progress=progress,
+    )
+    return result, ckpt
