@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from omni_extract.testing import TinyOmniSpec, make_tiny_omni
+from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 from omni_grpo.cli import main
 from omni_grpo.export import export_run
-from omni_grpo.export.testing import make_trained_run, megatron_state, trained_thinker
-from omni_grpo.models.testing import Ids, build_batch
+from omni_grpo.testing.export import make_trained_run, megatron_state, trained_thinker
+from omni_grpo.testing.models import Ids, build_batch
 from safetensors import safe_open
 from safetensors.torch import save_file
 

@@ -5,6 +5,8 @@
   with :func:`omni_extract.export.export_trained` (the leaf does the name mapping and the bytes).
 * :mod:`.megatron` — Megatron ``GPTModel`` names read as pseudo-VL tensors.
 * :mod:`.cli` — the click command, registered in ``omni_grpo.commands``.
+
+Test rigs: :mod:`omni_grpo.testing.export`.
 """
 
 from omni_grpo.export.api import export_run

@@ -9,6 +9,8 @@
   distributed weight-sync receivers.
 * :mod:`omni_grpo.testing.megatron` — the GPU verification of the Megatron thinker and its
   stand-in weight-sync receiver.
+* :mod:`omni_grpo.testing.export` — a run directory with a "trained" checkpoint (torch backend)
+  and the same weights under the Megatron backend's names, for export tests.
 
 Nothing in the product imports this package; tests, benchmarks and device runs do.
 """
