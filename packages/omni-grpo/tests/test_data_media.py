@@ -239,3 +239,94 @@ def test_processor_config_from_dir(tiny_omni_dir: Path) -> None:
     cfg = VisionProcessorConfig.from_dir(tiny_omni_dir)
     assert (cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size) == (16, 2, 2)
     assert cfg.image_mean == (0.5, 0.5, 0.5)
+
+
+# ------------------------------------------------------------------------------------------ limits
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid 1x1 PNG whose header claims ``width`` x ``height`` (a decompression bomb's shape:
+    Pillow refuses or accepts it from the header alone, before any pixel is decoded)."""
+    import struct
+    import zlib
+    from io import BytesIO
+
+    buf = BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("size", "limit"),
+    [((5000, 5000), 20_000_000), ((20_000, 10_000), 64_000_000), ((1 << 20, 1 << 20), 64_000_000)],
+)
+def test_images_over_our_pixel_limit_refused(tmp_path: Path, size, limit: int) -> None:
+    """Over our limit -> too_large, including sizes past Pillow's own bomb error (never its
+    exception type, never its warning)."""
+    p = tmp_path / "bomb.png"
+    p.write_bytes(png_claiming(*size))
+    for src in (p, p.read_bytes()):
+        with pytest.raises(MediaError, match="over the limit|pixels") as ei:
+            load_image(src, max_pixels=limit)
+        assert ei.value.reason == "too_large"
+
+
+@pytest.mark.parametrize("n", [0, 1, 160, 200])
+def test_short_audio_refused_before_the_stft(tmp_path: Path, n: int) -> None:
+    p = tmp_path / "short.wav"
+    sf.write(p, np.full(n, 0.1, np.float32), 16000)
+    with pytest.raises(MediaError) as ei:
+        load_audio(p, min_samples=201)
+    assert ei.value.reason in ({"empty"} if n == 0 else {"too_short"})
+    assert load_audio(p, min_samples=1).size == n if n else True
+
+
+def test_non_finite_audio_refused(tmp_path: Path) -> None:
+    p = tmp_path / "nan.wav"
+    wave = np.full(1600, 0.1, np.float32)
+    wave[7] = np.nan
+    sf.write(p, wave, 16000, subtype="FLOAT")
+    with pytest.raises(MediaError, match="NaN") as ei:
+        load_audio(p)
+    assert ei.value.reason == "unreadable"
+
+
+def test_video_over_pixel_limit_and_length_cap(tmp_path: Path) -> None:
+    from omni_grpo.data.media import MediaLimits
+
+    p = tmp_path / "v.mp4"
+    write_mp4(p, 16, 8)  # 64x64, 2 s
+    with pytest.raises(MediaError) as ei:
+        load_video(p, 2.0, 8, limits=MediaLimits(max_source_pixels=64 * 63))
+    assert ei.value.reason == "too_large"
+    clip = load_video(p, 2.0, 32, limits=MediaLimits(video_max_seconds=1.0))
+    assert clip.frames.shape[0] == 2  # only the first second is sampled
+
+
+def test_bytes_decode_exactly_as_files(tmp_path: Path) -> None:
+    """Embedded bytes go through the same decoders (chosen by content, not name) as files."""
+    wav, mp3, png, mp4 = (tmp_path / n for n in ("t.wav", "t.mp3", "i.png", "v.mp4"))
+    write_tone(wav, 440.0, 0.5, 22050)
+    with av.open(str(mp3), "w") as out:
+        st = out.add_stream("mp3", rate=44100)
+        st.layout = "mono"
+        w = (0.5 * np.sin(2 * np.pi * 700 * np.arange(22050) / 44100)).astype(np.float32)
+        frame = av.AudioFrame.from_ndarray(w[None], format="flt", layout="mono")
+        frame.sample_rate = 44100
+        for pkt in [*st.encode(frame), *st.encode()]:
+            out.mux(pkt)
+    Image.fromarray(np.arange(48 * 40 * 3, dtype=np.uint8).reshape(48, 40, 3)).save(png)
+    write_mp4(mp4, 16, 8)
+    for f in (wav, mp3):
+        np.testing.assert_array_equal(load_audio(f), load_audio(f.read_bytes()))
+    np.testing.assert_array_equal(
+        np.asarray(load_image(png)), np.asarray(load_image(png.read_bytes()))
+    )
+    a, b = load_video(mp4, 2.0, 8), load_video(mp4.read_bytes(), 2.0, 8)
+    np.testing.assert_array_equal(a.frames, b.frames)
+    assert a.fps == b.fps
+    with pytest.raises(MediaError, match="embedded bytes") as ei:
+        load_image(b"\x89PNG broken")
+    assert ei.value.reason == "unreadable"

@@ -248,3 +248,69 @@ def test_cli_prepare_data(video_r1_src: Path, avqa_src: Path, tmp_path: Path) ->
     bad.write_text(json.dumps({"id": 1}) + "\n")
     res = runner.invoke(main, ["prepare-data", "avqa", str(bad), str(tmp_path / "b.jsonl")])
     assert res.exit_code == 1 and "missing field(s)" in res.output
+
+
+def _avqa_file(tmp_path: Path, records: list) -> Path:
+    src = tmp_path / "records.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return src
+
+
+def test_avqa_bad_records_dropped_and_counted(avqa_src: Path, tmp_path: Path) -> None:
+    """Duplicate ids, null ids, bad answers, escaping paths: each costs its record, counted by
+    reason; the usable ones are written."""
+    good, other = AVQA[0], AVQA[1]
+    src = _avqa_file(
+        tmp_path,
+        [
+            good,
+            {**good, "question_text": "again?"},  # duplicate id 183
+            {**other, "id": None},  # never "avqa-None"
+            {**other, "id": 7, "answer": 9},
+            {**other, "id": 8, "audio_path": "../outside.wav"},  # escapes, existing or not
+            other,
+        ],
+    )
+    (tmp_path.parent / "outside.wav").write_bytes(b"")
+    problems: dict[str, str] = {}
+    stats = prepare_avqa(src, tmp_path / "o.jsonl", check_media=False, problems=problems)
+    assert stats == {
+        "kept": 2,
+        "written": 2,
+        "dropped_duplicate_id": 1,
+        "dropped_missing_field": 1,
+        "dropped_bad_answer": 1,
+        "dropped_outside_root": 1,
+    }
+    assert [r.uid for r in read_samples(tmp_path / "o.jsonl")] == ["avqa-183", "avqa-184"]
+    assert "outside the root" in problems["outside_root"] and "'id'" in problems["missing_field"]
+
+
+@pytest.mark.parametrize(
+    "choices", ['["motorboat", "yacht", "sail", "car"]', "['motorboat', 'yacht', 'sail', 'car']"]
+)
+def test_avqa_string_choices_parsed_not_split(tmp_path: Path, choices: str) -> None:
+    (tmp_path / "wav").mkdir()
+    src = _avqa_file(tmp_path, [{**AVQA[0], "multi_choice": choices}])
+    prepare_avqa(src, tmp_path / "o.jsonl", check_media=False)
+    (row,) = read_samples(tmp_path / "o.jsonl")
+    assert row.choices == ["motorboat", "yacht", "sail", "car"] and row.label == "B"
+    bad = _avqa_file(tmp_path, [{**AVQA[0], "multi_choice": "motorboat"}])
+    with pytest.raises(DataError, match="no usable record.*choices are not a non-empty list"):
+        prepare_avqa(bad, tmp_path / "b.jsonl", check_media=False)
+    assert not (tmp_path / "b.jsonl").exists()  # nothing written for nothing usable
+
+
+def test_prepare_reads_and_writes_parquet(avqa_src: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "avqa.parquet"
+    pq.write_table(pa.Table.from_pylist(AVQA), src)
+    out = tmp_path / "rows.parquet"
+    stats = prepare_avqa(src, out)
+    assert stats == {"kept": 2, "written": 2, "dropped_missing_media": 1}
+    from_jsonl = tmp_path / "rows.jsonl"
+    prepare_avqa(avqa_src, from_jsonl)
+    assert read_samples(out) == read_samples(from_jsonl)  # same Samples either way
+    assert pq.ParquetFile(out).schema_arrow.field("media").type.value_type.names == ["type", "path"]

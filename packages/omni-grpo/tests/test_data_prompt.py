@@ -237,3 +237,53 @@ def test_builder_on_extracted_vl_dir_real_vocab(
     )
     assert p.input_ids[:1] == [REAL_IDS["im_start_token_id"]]
     assert b.tokenizer.decode(p.input_ids).endswith("Which?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_every_media_failure_is_a_counted_skip(
+    builder: PromptBuilder, media_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Media that used to crash training (a 160-sample clip inside torch.stft, an image past
+    Pillow's bomb limit, an image too elongated to resize) cost their row, counted, one line."""
+    import struct
+    import zlib
+    from io import BytesIO
+
+    root = tmp_path / "m"
+    root.mkdir()
+    sf.write(root / "short.wav", np.full(160, 0.1, np.float32), 16000)
+    buf = BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, format="PNG")
+    png = bytearray(buf.getvalue())
+    ihdr = struct.pack(">II", 30_000, 30_000) + bytes(png[24:29])  # 900 Mpx claimed
+    png[16:29], png[29:33] = ihdr, struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    (root / "bomb.png").write_bytes(bytes(png))
+    Image.fromarray(np.zeros((2, 500, 3), np.uint8)).save(root / "thin.png")
+    Image.fromarray(np.full((64, 64, 3), 90, np.uint8)).save(root / "ok.png")
+    rows = [
+        ("short", "audio", "short.wav"),
+        ("bomb", "image", "bomb.png"),
+        ("thin", "image", "thin.png"),
+        ("ok", "image", "ok.png"),
+    ]
+    f = tmp_path / "rows.jsonl"
+    f.write_text(
+        "".join(
+            json.dumps(
+                {"id": i, "prompt": f"<{t}>", "label": "A", "media": [{"type": t, "path": p}]}
+            )
+            + "\n"
+            for i, t, p in rows
+        )
+    )
+    ds = OmniDataset(f, root, builder)
+    assert [p.sample.uid for p in ds.load_many(range(4))] == ["ok"]
+    assert ds.load(0) is None  # a second draw is counted again but not logged again
+    assert ds.stats() == {
+        "loaded": 1,
+        "skipped": 4,
+        "skipped_too_short": 2,
+        "skipped_too_large": 1,
+        "skipped_unreadable": 1,
+    }
+    lines = [r for r in caplog.records if "skipping row" in r.getMessage()]
+    assert len(lines) == 3 and all("\n" not in r.getMessage() for r in lines)

@@ -1,4 +1,6 @@
-"""Row format validation: errors name the file and line; atomic writes."""
+"""Row format validation: errors name the file and line; a bad row is skipped and counted by
+reason, only a file with no usable row is an error; labels outside their choices are refused;
+atomic writes."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from omni_grpo.data.schema import DataError, iter_rows, read_samples, write_rows
+from omni_grpo.data.sources import load_rows
 
 
 def _jsonl(tmp_path: Path, rows: list) -> Path:
@@ -67,10 +70,85 @@ def test_bad_row_names_file_and_line(tmp_path: Path, row, fragment: str) -> None
 
 
 def test_duplicate_ids_and_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="duplicate id 'a' \\(rows 1 and 2\\)"):
-        read_samples(_jsonl(tmp_path, [GOOD, GOOD]))
+    loaded = load_rows(_jsonl(tmp_path, [GOOD, GOOD | {"label": "B"}]))
+    assert [s.label for s in loaded.samples] == ["A"]  # the first one is kept
+    assert loaded.counters() == {"skipped_rows": 1, "skipped_rows_duplicate_id": 1}
+    with pytest.raises(DataError, match="duplicate id 'a'"):
+        read_samples(_jsonl(tmp_path, [GOOD, GOOD]), strict=True)
     with pytest.raises(DataError, match="not found"):
         read_samples(tmp_path / "none.jsonl")
+
+
+BAD_ROWS: list[tuple[object, str]] = [
+    ({k: v for k, v in GOOD.items() if k != "label"}, "missing_field"),
+    ('{"id": "x", ', "bad_json"),
+    ([1, 2], "not_object"),
+    ({**GOOD, "prompt": "no placeholder"}, "placeholder_mismatch"),
+    ({**GOOD, "label": "C"}, "bad_label"),  # two choices: A or B
+    ({**GOOD, "label": "  "}, "bad_label"),
+    ({**GOOD, "label": "x", "reward": "mcq"}, "bad_label"),  # mcq scores letters only
+    ({**GOOD, "choices": []}, "bad_label"),
+    ({**GOOD, "labels": "A"}, "invalid"),
+    ({**GOOD, "id": "dup"}, "duplicate_id"),
+]
+
+
+@pytest.mark.parametrize(("row", "reason"), BAD_ROWS)
+def test_one_bad_row_is_skipped_and_counted(tmp_path: Path, row: object, reason: str) -> None:
+    """Every class of bad row costs that row only: counted by reason, the rest loads."""
+    good = [GOOD | {"id": "dup"}, GOOD | {"id": "b", "label": "B"}]
+    loaded = load_rows(_jsonl(tmp_path, [good[0], row, good[1]]))
+    assert [s.uid for s in loaded.samples] == ["dup", "b"]
+    assert loaded.counters() == {"skipped_rows": 1, f"skipped_rows_{reason}": 1}
+
+
+def test_labels_among_choices_accepted(tmp_path: Path) -> None:
+    rows = [
+        GOOD | {"id": "1", "label": "(b)"},  # the forms the mcq reward normalises
+        GOOD | {"id": "2", "label": "y", "reward": "answer_tag"},  # a choice's text
+        {"id": "3", "prompt": "2+2", "label": "4", "reward": "math"},
+    ]
+    assert len(load_rows(_jsonl(tmp_path, rows)).samples) == 3
+
+
+def test_bom_tolerated_and_ids_default(tmp_path: Path) -> None:
+    p = tmp_path / "bom.jsonl"
+    body = json.dumps({k: v for k, v in GOOD.items() if k != "id"})
+    p.write_bytes(b"\xef\xbb\xbf" + body.encode() + b"\n\xef\xbb\xbf" + body.encode() + b"\n")
+    loaded = load_rows(p)
+    assert [s.uid for s in loaded.samples] == ["bom-0", "bom-1"] and not loaded.counters()
+    null_id = _jsonl(tmp_path, [GOOD | {"id": None}])
+    assert read_samples(null_id)[0].uid == "rows-0"
+
+
+def test_not_utf8_names_file_and_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(
+        json.dumps(GOOD).encode() + b"\n" + json.dumps(GOOD | {"id": "\u00e9"}).encode("latin-1")
+        .replace(b"\\u00e9", b"\xe9") + b"\n"
+    )
+    loaded = load_rows(p)
+    assert loaded.counters() == {"skipped_rows": 1, "skipped_rows_not_utf8": 1}
+    assert f"{p}:2: not UTF-8" in caplog.text
+    whole = tmp_path / "utf16.jsonl"
+    whole.write_text(json.dumps(GOOD) + "\n", encoding="utf-16")
+    with pytest.raises(DataError) as ei:
+        load_rows(whole)
+    msg = str(ei.value)
+    assert msg.startswith(f"{whole}: no usable row") and "\n" not in msg and ":1:" in msg
+
+
+def test_file_with_no_usable_row_is_one_line(tmp_path: Path) -> None:
+    p = _jsonl(tmp_path, [{"id": "x"}, '{"broken'])
+    with pytest.raises(DataError) as ei:
+        load_rows(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: no usable row (2 skipped: bad_json 1, missing_field 1; first:")
+    assert "\n" not in msg
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="no usable row \\(empty\\)"):
+        load_rows(empty)
 
 
 def test_write_rows_atomic(tmp_path: Path) -> None:

@@ -102,18 +102,49 @@ class SyntheticDataConfig(_Strict):
     seed: int = 0
 
 
+def default_media_root(spec: Any) -> Path:
+    """The media root of a dataset spec when none is configured: the (first) file's directory
+    (a glob's too), or the directory itself for a ``datasets.save_to_disk`` dir."""
+    first = Path(os.fspath(spec[0] if isinstance(spec, list | tuple) and spec else spec))
+    return first if first.is_dir() else first.parent
+
+
 class DataConfig(_Strict):
-    train: Path | None = None
-    eval: Path | None = None
+    """Where the rows are and the explicit limits every media item is decoded under.
+
+    ``train`` / ``eval``: a ``.jsonl`` file, a ``.parquet`` file, a glob or a list of them, or a
+    ``datasets.save_to_disk`` directory (see ``omni_grpo.data.sources``). A bad row is skipped
+    and counted (``data/skipped_rows``); only a split with no usable row is an error.
+    """
+
+    train: Path | list[Path] | None = None
+    eval: Path | list[Path] | None = None
     root: Path | None = Field(
-        None, description="media root; media paths are confined to it (default: train file's dir)"
+        None,
+        description="media root; media paths are confined to it (default: the train file's dir, "
+        "or the dataset dir itself)",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="our row field -> the source's column name, e.g. {label: answer, prompt: problem}",
     )
     video_fps: float = Field(2.0, gt=0)
     max_frames: int = Field(32, ge=2)
     image_min_pixels: int = Field(32 * 32, ge=32 * 32)
     image_max_pixels: int = Field(256 * 32 * 32, ge=32 * 32)
     video_max_pixels: int = Field(128 * 32 * 32, ge=32 * 32, description="per frame")
-    audio_max_seconds: float = Field(30.0, gt=0)
+    max_source_pixels: int = Field(
+        64_000_000,
+        ge=32 * 32,
+        le=2 * 89_478_485,
+        description="largest image / video frame accepted, checked from the header before "
+        "decoding (larger: skipped as too_large); replaces Pillow's decompression-bomb default "
+        "and may not exceed Pillow's hard limit",
+    )
+    audio_max_seconds: float = Field(30.0, gt=0, description="longer audio is truncated")
+    video_max_seconds: float = Field(
+        600.0, gt=0, description="frames are sampled from the first this-many seconds"
+    )
     shuffle: bool = True
     synthetic: SyntheticDataConfig | None = None
 
@@ -124,6 +155,22 @@ class DataConfig(_Strict):
                 f"image_min_pixels ({self.image_min_pixels}) must be <= image_max_pixels ({self.image_max_pixels})"
             )
         return self
+
+    def default_root(self) -> Path | None:
+        """The media root when ``root`` is unset (see ``default_media_root``)."""
+        return default_media_root(self.train) if self.train is not None else None
+
+    @field_validator("columns")
+    @classmethod
+    def _known_fields(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            return v
+        from omni_grpo.data.schema import ROW_FIELDS
+
+        unknown = sorted(set(v) - set(ROW_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown row field(s) {unknown}; the fields are {list(ROW_FIELDS)}")
+        return v
 
 
 # ----------------------------------------------------------------------------------------- rollout
@@ -380,7 +427,7 @@ class OmniGRPOConfig(_Strict):
         if self.model.audio_dir is None:
             object.__setattr__(self.model, "audio_dir", self.run.dir / "model" / "audio")
         if self.data.root is None and self.data.train is not None:
-            object.__setattr__(self.data, "root", self.data.train.parent)
+            object.__setattr__(self.data, "root", self.data.default_root())
         return self
 
 

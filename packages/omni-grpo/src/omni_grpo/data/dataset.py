@@ -1,7 +1,11 @@
 """A lazily decoded dataset: rows are validated up front (small), media decoded per access.
 
-A row whose media is missing, escapes the root or cannot be decoded is skipped and COUNTED (and
-logged once per row), never a crash in the middle of a run; ``counters`` exposes the tallies.
+Rows come from any source ``omni_grpo.data.sources`` reads (jsonl, parquet, globs and lists of
+them, ``save_to_disk`` dirs). A bad row is skipped at load and counted (``skipped_rows``,
+``skipped_rows_<reason>``); a row whose media is missing, escapes the root, is over a limit or
+cannot be decoded is skipped when it is drawn and COUNTED (``skipped``, ``skipped_<reason>``,
+one log line per row), never a crash in the middle of a run; ``stats()`` exposes the tallies,
+which the trainer logs as ``data/skipped*``.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from omni_grpo.config import default_media_root as default_root
 from omni_grpo.data.media import MediaError
 from omni_grpo.data.prompt import PromptBuilder
-from omni_grpo.data.schema import read_samples
+from omni_grpo.data.sources import LoadedRows, Spec, load_rows
 from omni_grpo.types import PromptInputs, Sample
 
 if TYPE_CHECKING:
@@ -29,19 +34,24 @@ class OmniDataset:
 
     def __init__(
         self,
-        rows: str | os.PathLike[str] | list[Sample],
+        rows: Spec | list[Sample],
         root: str | os.PathLike[str] | None,
         builder: PromptBuilder,
+        columns: dict[str, str] | None = None,
     ) -> None:
-        if isinstance(rows, list):
-            self.samples = rows
-            default_root = Path.cwd()
+        self.loaded: LoadedRows | None = None
+        if isinstance(rows, list) and (not rows or isinstance(rows[0], Sample)):
+            self.samples: list[Sample] = list(rows)  # type: ignore[arg-type]
+            default = Path.cwd()
         else:
-            self.samples = read_samples(rows)
-            default_root = Path(rows).parent
-        self.root = Path(root) if root is not None else default_root
+            if columns is None:
+                columns = getattr(getattr(builder, "data", None), "columns", None)
+            self.loaded = load_rows(rows, columns)  # type: ignore[arg-type]
+            self.samples = self.loaded.samples
+            default = default_root(rows)  # type: ignore[arg-type]
+        self.root = Path(root) if root is not None else default
         self.builder = builder
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(self.loaded.counters() if self.loaded else {})
         self._logged: set[str] = set()
 
     @classmethod
@@ -54,12 +64,15 @@ class OmniDataset:
         builder: PromptBuilder | None = None,
         system_prompt: str | None = None,
     ) -> OmniDataset:
-        """The ``train`` or ``eval`` split named in ``data`` (media root ``data.root``, else the file's dir)."""
+        """The ``train`` or ``eval`` split named in ``data`` (media root ``data.root``, else the
+        file's dir), columns renamed by ``data.columns``."""
         path = {"train": data.train, "eval": data.eval}.get(split)
         if path is None:
-            raise ValueError(f"data.{split} is not set (expected a jsonl path)")
+            raise ValueError(
+                f"data.{split} is not set (expected a jsonl/parquet path or a dataset dir)"
+            )
         builder = builder or PromptBuilder(model_dir, data, system_prompt=system_prompt)
-        return cls(path, data.root or Path(path).parent, builder)
+        return cls(path, data.root or default_root(path), builder, data.columns)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -69,8 +82,9 @@ class OmniDataset:
 
     def load(self, index: int) -> PromptInputs | None:
         sample = self.samples[index]
+        blobs = self.loaded.fetch if self.loaded is not None else None
         try:
-            item = self.builder.build(sample, self.root)
+            item = self.builder.build(sample, self.root, blobs)
         except MediaError as err:
             self.counters[f"skipped_{err.reason}"] += 1
             self.counters["skipped"] += 1

@@ -1,29 +1,90 @@
-"""Media decoding: Pillow for images, soundfile (wav/flac/ogg) or PyAV for audio, PyAV for video.
+"""Media decoding: Pillow for images, soundfile (wav/flac/ogg/aiff) or PyAV for audio, PyAV for video.
 
 Everything is decoded on demand for one sample and returned as numpy arrays; nothing is cached.
+A source is a file (``Path``) or the bytes of one embedded item (a parquet / ``datasets`` cell),
+decoded in memory through the SAME code, so a row trains identically from either form: the audio
+decoder is chosen from the content's magic bytes, never from a file name.
+
 All audio is resampled to mono 16 kHz float32 with PyAV's resampler (libswresample), the rate the
 Whisper feature extractor expects. Paths are confined to the dataset root (``resolve_media``).
+
+Every failure is a ``MediaError`` whose ``reason`` is a counter key (the dataset skips and counts
+the row): hostile or broken input raises all kinds of exceptions inside the decoders, so they are
+caught broadly here, at the one boundary where the input is foreign. The limits are ours and
+explicit (``MediaLimits``, from ``DataConfig``), not the libraries' defaults: PIL's
+decompression-bomb threshold is replaced by ``max_source_pixels``, checked from the header
+before anything is decoded.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 AUDIO_RATE = 16_000
-SOUNDFILE_SUFFIXES = frozenset({".wav", ".flac", ".ogg", ".aiff", ".aif"})
+# Content sniffing -> decoder. libsndfile reads these containers; everything else goes to PyAV.
+SOUNDFILE_MAGIC: tuple[tuple[int, bytes], ...] = (
+    (0, b"RIFF"),
+    (0, b"RIFX"),
+    (0, b"RF64"),
+    (0, b"fLaC"),
+    (0, b"OggS"),
+    (0, b"FORM"),
+)
+# Pillow raises DecompressionBombError above 2 * Image.MAX_IMAGE_PIXELS (default 89,478,485); our
+# own limit may not exceed it, so Pillow never refuses an image our limit allows.
+PIL_BOMB_PIXELS = 2 * 89_478_485
+DEFAULT_MAX_SOURCE_PIXELS = 64_000_000
+DEFAULT_VIDEO_MAX_SECONDS = 600.0
+
+Source = Path | bytes
 
 
 class MediaError(Exception):
-    """A media file cannot be used; ``reason`` is a counter key (missing, escape, unreadable, empty)."""
+    """A media item cannot be used; ``reason`` is a counter key.
+
+    Reasons: ``missing`` (no such file / no bytes), ``escape`` (outside the root), ``unreadable``
+    (decoder failed), ``empty`` (no samples/frames), ``too_large`` (over ``max_source_pixels``),
+    ``too_short`` (audio shorter than one STFT window).
+    """
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Explicit decode limits (documented in ``DataConfig``), applied to files and bytes alike."""
+
+    max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS  # images and video frames, before decoding
+    audio_max_seconds: float | None = None  # longer audio is truncated
+    video_max_seconds: float = DEFAULT_VIDEO_MAX_SECONDS  # frames are sampled from this prefix
+
+
+def _label(src: Source, name: str | None) -> str:
+    if name:
+        return name
+    return str(src) if isinstance(src, Path) else f"<{len(src)} embedded bytes>"
+
+
+def _open_arg(src: Source) -> Any:
+    """What a decoder opens: the path string, or an in-memory file over the bytes."""
+    return str(src) if isinstance(src, Path) else io.BytesIO(src)
+
+
+def _head(src: Source, n: int = 12) -> bytes:
+    if isinstance(src, Path):
+        with src.open("rb") as f:
+            return f.read(n)
+    return bytes(src[:n])
 
 
 def resolve_media(root: str | os.PathLike[str], rel: str) -> Path:
@@ -43,15 +104,31 @@ def resolve_media(root: str | os.PathLike[str], rel: str) -> Path:
     return target
 
 
-def load_image(path: Path):  # type: ignore[no-untyped-def]
-    """RGB ``PIL.Image`` (fully loaded, file closed)."""
-    from PIL import Image, UnidentifiedImageError
+def load_image(src: Source, max_pixels: int = DEFAULT_MAX_SOURCE_PIXELS, name: str | None = None):  # type: ignore[no-untyped-def]
+    """RGB ``PIL.Image`` (fully loaded, file closed); refused above ``max_pixels`` source pixels."""
+    from PIL import Image
 
+    what = _label(src, name)
     try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except (UnidentifiedImageError, OSError) as err:
-        raise MediaError("unreadable", f"cannot decode image {path}: {err}") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(_open_arg(src)) as im:
+                w, h = im.size
+                if w * h > max_pixels:
+                    raise MediaError(
+                        "too_large",
+                        f"image {what} is {w}x{h} = {w * h} pixels, over the limit of "
+                        f"{max_pixels} (data.max_source_pixels)",
+                    )
+                return im.convert("RGB")
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as err:
+        raise MediaError("too_large", f"image {what}: {err}") from None
+    except Exception as err:  # Pillow raises OSError, ValueError, SyntaxError, struct.error, ...
+        raise MediaError(
+            "unreadable", f"cannot decode image {what}: {type(err).__name__}: {err}"
+        ) from None
 
 
 def resample_mono(wave: np.ndarray, rate: int, target: int = AUDIO_RATE) -> np.ndarray:
@@ -71,15 +148,15 @@ def resample_mono(wave: np.ndarray, rate: int, target: int = AUDIO_RATE) -> np.n
     return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
 
 
-def _av_audio(path: Path, max_seconds: float | None) -> np.ndarray:
+def _av_audio(src: Source, what: str, max_seconds: float | None) -> np.ndarray:
     import av
 
     chunks: list[np.ndarray] = []
     limit = None if max_seconds is None else int(max_seconds * AUDIO_RATE)
     got = 0
-    with av.open(str(path)) as container:
+    with av.open(_open_arg(src)) as container:
         if not container.streams.audio:
-            raise MediaError("unreadable", f"{path} has no audio stream")
+            raise MediaError("unreadable", f"{what} has no audio stream")
         resampler = av.AudioResampler(format="flt", layout="mono", rate=AUDIO_RATE)
         for frame in container.decode(audio=0):
             for f in resampler.resample(frame):
@@ -93,27 +170,52 @@ def _av_audio(path: Path, max_seconds: float | None) -> np.ndarray:
     return wave[:limit] if limit is not None else wave
 
 
-def load_audio(path: Path, max_seconds: float | None = None) -> np.ndarray:
-    """Mono float32 16 kHz waveform, truncated to ``max_seconds``; from a sound file or any container
-    PyAV reads (mp3, m4a, the audio track of an mp4, ...)."""
-    try:
-        if path.suffix.lower() in SOUNDFILE_SUFFIXES:
-            import soundfile as sf
+def _soundfile_audio(src: Source, max_seconds: float | None) -> np.ndarray:
+    import soundfile as sf
 
-            with sf.SoundFile(str(path)) as f:
-                frames = -1 if max_seconds is None else int(max_seconds * f.samplerate)
-                data = f.read(frames=frames, dtype="float32", always_2d=True)
-                wave = resample_mono(data, f.samplerate)
+    with sf.SoundFile(_open_arg(src)) as f:
+        frames = -1 if max_seconds is None else int(max_seconds * f.samplerate)
+        data = f.read(frames=frames, dtype="float32", always_2d=True)
+        return resample_mono(data, f.samplerate)
+
+
+def uses_soundfile(head: bytes) -> bool:
+    """Whether libsndfile decodes this content (by its magic bytes): the same rule for a file and
+    for embedded bytes, so both decode through the same library."""
+    return any(head[at : at + len(magic)] == magic for at, magic in SOUNDFILE_MAGIC)
+
+
+def load_audio(
+    src: Source,
+    max_seconds: float | None = None,
+    name: str | None = None,
+    min_samples: int = 1,
+) -> np.ndarray:
+    """Mono float32 16 kHz waveform, truncated to ``max_seconds``; from a sound file or any container
+    PyAV reads (mp3, m4a, the audio track of an mp4, ...). Fewer than ``min_samples`` samples (the
+    feature extractor needs more than half an STFT window) is ``too_short``; NaN/inf is refused."""
+    what = _label(src, name)
+    try:
+        if uses_soundfile(_head(src)):
+            wave = _soundfile_audio(src, max_seconds)
         else:
-            wave = _av_audio(path, max_seconds)
+            wave = _av_audio(src, what, max_seconds)
     except MediaError:
         raise
     except Exception as err:  # soundfile/PyAV raise many types for corrupt files
         raise MediaError(
-            "unreadable", f"cannot decode audio {path}: {type(err).__name__}: {err}"
+            "unreadable", f"cannot decode audio {what}: {type(err).__name__}: {err}"
         ) from None
     if wave.size == 0:
-        raise MediaError("empty", f"audio {path} has no samples")
+        raise MediaError("empty", f"audio {what} has no samples")
+    if wave.size < min_samples:
+        raise MediaError(
+            "too_short",
+            f"audio {what} has {wave.size} samples at {AUDIO_RATE} Hz, fewer than the "
+            f"{min_samples} the feature extractor needs",
+        )
+    if not np.isfinite(wave).all():
+        raise MediaError("unreadable", f"audio {what} contains NaN or infinite samples")
     return wave
 
 
@@ -142,21 +244,37 @@ def _duration(container, stream) -> float | None:  # type: ignore[no-untyped-def
     return None
 
 
-def load_video(path: Path, fps: float, max_frames: int) -> VideoClip:
-    """Frames sampled at ``fps`` (at most ``max_frames``), decoded in one streaming pass that keeps
-    only the chosen frames: for each target time, the first frame at or after it (targets past the
-    last frame repeat the last frame)."""
+def load_video(
+    src: Source,
+    fps: float,
+    max_frames: int,
+    name: str | None = None,
+    limits: MediaLimits | None = None,
+) -> VideoClip:
+    """Frames sampled at ``fps`` (at most ``max_frames``) from the first ``video_max_seconds``,
+    decoded in one streaming pass that keeps only the chosen frames: for each target time, the
+    first frame at or after it (targets past the last frame repeat the last frame). Frames over
+    ``max_source_pixels`` are refused from the stream header, before decoding."""
     import av
 
+    lim = limits or MediaLimits()
+    what = _label(src, name)
     try:
-        with av.open(str(path)) as container:
+        with av.open(_open_arg(src)) as container:
             if not container.streams.video:
-                raise MediaError("unreadable", f"{path} has no video stream")
+                raise MediaError("unreadable", f"{what} has no video stream")
             stream = container.streams.video[0]
+            w, h = stream.codec_context.width or 0, stream.codec_context.height or 0
+            if w * h > lim.max_source_pixels:
+                raise MediaError(
+                    "too_large",
+                    f"video {what} has {w}x{h} = {w * h} pixel frames, over the limit of "
+                    f"{lim.max_source_pixels} (data.max_source_pixels)",
+                )
             duration = _duration(container, stream)
             if not duration or duration <= 0:
-                raise MediaError("unreadable", f"cannot determine the duration of video {path}")
-            targets = sample_times(duration, fps, max_frames)
+                raise MediaError("unreadable", f"cannot determine the duration of video {what}")
+            targets = sample_times(min(duration, lim.video_max_seconds), fps, max_frames)
             tb = stream.time_base or Fraction(1, 1_000_000)
             picked: list[np.ndarray] = []
             start: float | None = None
@@ -174,7 +292,7 @@ def load_video(path: Path, fps: float, max_frames: int) -> VideoClip:
                 if len(picked) == len(targets):
                     break
             if last is None:
-                raise MediaError("empty", f"video {path} has no frames")
+                raise MediaError("empty", f"video {what} has no frames")
             if len(picked) < len(targets):
                 tail = last.to_ndarray(format="rgb24")
                 picked.extend(tail for _ in range(len(targets) - len(picked)))
@@ -182,7 +300,7 @@ def load_video(path: Path, fps: float, max_frames: int) -> VideoClip:
         raise
     except Exception as err:
         raise MediaError(
-            "unreadable", f"cannot decode video {path}: {type(err).__name__}: {err}"
+            "unreadable", f"cannot decode video {what}: {type(err).__name__}: {err}"
         ) from None
     eff_fps = fps if len(targets) < 2 else (len(targets) - 1) / float(targets[-1] - targets[0])
     return VideoClip(frames=np.stack(picked), fps=float(eff_fps))

@@ -1,19 +1,27 @@
-"""``omni-grpo prepare-data``: convert public datasets into our jsonl rows.
+"""``omni-grpo prepare-data``: convert public datasets into our rows (jsonl, or parquet).
 
 Each preparer is a plain function (source file -> validated rows, written atomically) plus a click
-subcommand. Rows that cannot be converted are dropped and COUNTED by reason; the summary is printed
-and returned, so nothing disappears silently. More preparers can be added by other packages through
-the ``omni_grpo.preparers`` entry-point group (a click command each).
+subcommand. Sources are read as the datasets ship them: jsonl, a json list, or parquet (the hub's
+format). Records that cannot be converted are dropped and COUNTED by reason (``dropped_<reason>``:
+a missing or null field, a bad answer index, unparseable choices, a media path outside the root,
+a duplicate id — the first record with an id wins); the summary is printed and returned with the
+first example of each reason, so nothing disappears silently. Only a source with no usable record
+is an error, and then nothing is written. The output is parquet when its name ends in
+``.parquet`` (our row fields as columns; ``media`` paths stay relative to the root), else jsonl.
+More preparers can be added by other packages through the ``omni_grpo.preparers`` entry-point
+group (a click command each).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 import os
 import re
 import string
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -21,6 +29,8 @@ from typing import Any
 import click
 
 from omni_grpo.data.schema import DataError, DatasetRow, parse_row, write_rows
+
+log = logging.getLogger(__name__)
 
 PREPARERS_GROUP = "omni_grpo.preparers"
 LETTERS = string.ascii_uppercase
@@ -32,20 +42,92 @@ def _options_block(options: list[str]) -> str:
     return "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options))
 
 
-def _relative_media(path: str, root: Path) -> str | None:
-    """``path`` as stored in a row (relative to root), or None if it lies outside the root."""
-    p = Path(path)
-    if not p.is_absolute():
-        return p.as_posix().removeprefix("./")
-    try:
-        return p.resolve().relative_to(root.resolve()).as_posix()
-    except ValueError:
-        return None
+def _relative_media(path: str, root: Path, where: str) -> str:
+    """``path`` as stored in a row (relative to root); DataError(``outside_root``) when it resolves
+    outside the root (``..``, an absolute path elsewhere, a symlink out), whether or not the
+    file exists: such a row could never load."""
+    base = root.resolve()
+    target = (base / path).resolve()
+    if not target.is_relative_to(base):
+        raise DataError(f"{where}: media path {path!r} is outside the root {base}", "outside_root")
+    return target.relative_to(base).as_posix()
 
 
 def _media_ok(rel: str, root: Path) -> bool:
-    target = (root / rel).resolve()
-    return target.is_relative_to(root.resolve()) and target.is_file()
+    return (root / rel).is_file()
+
+
+def _required(rec: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """A missing key, or a null / empty-string value, is a missing field."""
+    missing = [k for k in keys if rec.get(k) is None or rec.get(k) == ""]
+    if missing:
+        raise DataError(f"{where}: missing field(s) {missing}", "missing_field")
+
+
+def _choice_list(value: Any, where: str) -> list[str]:
+    """A list of option strings; a string is parsed as a JSON or Python list literal (some dumps
+    store ``"['a', 'b']"``), never split into characters."""
+    if isinstance(value, str):
+        parsed: Any = None
+        for parse in (json.loads, ast.literal_eval):
+            try:
+                parsed = parse(value)
+                break
+            except (ValueError, SyntaxError):
+                continue
+        value = parsed
+    if not isinstance(value, list | tuple) or not value:
+        raise DataError(f"{where}: choices are not a non-empty list: {value!r}", "bad_choices")
+    return [str(c) for c in value]
+
+
+def convert(
+    records: Iterable[dict[str, Any]],
+    to_row: Callable[[int, dict[str, Any]], DatasetRow | None],
+    stats: Counter[str],
+    problems: dict[str, str],
+) -> Iterator[DatasetRow]:
+    """Rows of ``to_row`` (None: filtered, counted by it); a DataError drops the record, counted
+    by its reason with the first message kept; later records with a seen id are dropped."""
+    seen: set[str] = set()
+    for n, rec in enumerate(records, start=1):
+        try:
+            if not isinstance(rec, dict):
+                raise DataError(f"record {n}: not an object: {type(rec).__name__}", "not_object")
+            row = to_row(n, rec)
+        except DataError as err:
+            stats[f"dropped_{err.reason}"] += 1
+            if err.reason not in problems:
+                problems[err.reason] = str(err)
+                log.warning("dropping %s", err)
+            continue
+        if row is None:
+            continue
+        if row.id in seen:
+            stats["dropped_duplicate_id"] += 1
+            problems.setdefault("duplicate_id", f"record {n}: duplicate id {row.id!r}")
+            continue
+        seen.add(row.id)
+        stats["kept"] += 1
+        yield row
+
+
+def write_prepared(
+    out: str | os.PathLike[str],
+    rows: Iterable[DatasetRow],
+    src: Path,
+    stats: Counter[str],
+    problems: dict[str, str],
+) -> dict[str, int]:
+    """Write the rows (jsonl, or parquet by suffix) unless there is none: then a one-line error
+    naming the source, with the first problem, and nothing written."""
+    kept = list(rows)
+    if not kept:
+        dropped = {k: v for k, v in sorted(stats.items()) if k.startswith("dropped")}
+        first = next(iter(problems.values()), "no records")
+        raise DataError(f"{src}: no usable record ({dropped}; first: {first})")
+    stats["written"] = write_rows(out, kept)
+    return dict(stats)
 
 
 # ------------------------------------------------------------------------------------------- AVQA
@@ -53,38 +135,36 @@ AVQA_INSTRUCTION = "Answer with the option's letter, inside <answer> </answer>."
 
 
 def avqa_rows(
-    records: Iterable[dict[str, Any]], root: Path, check_media: bool, stats: Counter[str]
+    records: Iterable[dict[str, Any]],
+    root: Path,
+    check_media: bool,
+    stats: Counter[str],
+    problems: dict[str, str] | None = None,
 ) -> Iterator[DatasetRow]:
     """R1-AQA jsonl (AVQA: id, question_text, multi_choice, answer = 0-based index, audio_path) -> rows.
 
     The question is reworded from "video" to "audio" as R1-AQA does (the model only hears the clip).
     """
-    for n, rec in enumerate(records, start=1):
-        where = f"record {n} (id {rec.get('id')!r})"
-        missing = [
-            k
-            for k in ("id", "question_text", "multi_choice", "answer", "audio_path")
-            if k not in rec
-        ]
-        if missing:
-            raise DataError(f"AVQA {where}: missing field(s) {missing}")
-        choices = [str(c) for c in rec["multi_choice"]]
+
+    def to_row(n: int, rec: dict[str, Any]) -> DatasetRow | None:
+        where = f"AVQA record {n} (id {rec.get('id')!r})"
+        _required(rec, ("id", "question_text", "multi_choice", "answer", "audio_path"), where)
+        choices = _choice_list(rec["multi_choice"], where)
         answer = rec["answer"]
         if (
             not isinstance(answer, int)
+            or isinstance(answer, bool)
             or not 0 <= answer < len(choices)
             or len(choices) > len(LETTERS)
         ):
             raise DataError(
-                f"AVQA {where}: answer {answer!r} is not an index into {len(choices)} choices"
+                f"{where}: answer {answer!r} is not an index into {len(choices)} choices",
+                "bad_answer",
             )
-        rel = _relative_media(str(rec["audio_path"]), root)
-        if rel is None:
-            stats["dropped_outside_root"] += 1
-            continue
+        rel = _relative_media(str(rec["audio_path"]), root, where)
         if check_media and not _media_ok(rel, root):
             stats["dropped_missing_media"] += 1
-            continue
+            return None
         question = str(rec["question_text"]).replace("video", "audio")
         prompt = f"<audio>\n{question}\n{_options_block(choices)}\n{AVQA_INSTRUCTION}"
         meta = {
@@ -99,8 +179,7 @@ def avqa_rows(
             if k in rec
         }
         meta.update(choices=choices, answer_text=choices[answer], source="avqa")
-        stats["kept"] += 1
-        yield parse_row(
+        return parse_row(
             {
                 "id": f"avqa-{rec['id']}",
                 "prompt": prompt,
@@ -111,18 +190,65 @@ def avqa_rows(
                 "modality": "audio",
                 "metadata": meta,
             },
-            f"AVQA {where}",
+            where,
         )
+
+    return convert(records, _problem_marker(to_row), stats, {} if problems is None else problems)
 
 
 def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg}") from None
+    """Records of a jsonl file; a line that is not JSON (or not UTF-8) is yielded as a marker the
+    converter drops and counts, naming the line."""
+    from omni_grpo.data.sources import jsonl_records
+
+    for rec in jsonl_records(path):
+        if rec.problem is not None:
+            yield {"__problem__": rec.problem}
+        else:
+            yield rec.obj  # type: ignore[misc]
+
+
+def read_parquet(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a parquet file, one row group at a time (the hub ships datasets as parquet)."""
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(str(path))
+    except Exception as err:
+        raise DataError(f"{path}: not a readable parquet file: {err}") from None
+    for batch in f.iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+def read_records(path: Path) -> Iterator[dict[str, Any]]:
+    """A source as shipped: parquet (by suffix or magic), a json list / object, or jsonl."""
+    with path.open("rb") as fh:
+        head = fh.read(4)
+    if path.suffix.lower() == ".parquet" or head == b"PAR1":
+        yield from read_parquet(path)
+        return
+    text = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+    if text.lstrip()[:1] == b"[":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, list):
+            yield from data
+            return
+    yield from read_jsonl(path)
+
+
+def _problem_marker(to_row: Callable[[int, dict[str, Any]], DatasetRow | None]):  # type: ignore[no-untyped-def]
+    """Wrap a record converter so the reader's bad-line markers become counted drops."""
+
+    def wrapped(n: int, rec: dict[str, Any]) -> DatasetRow | None:
+        if "__problem__" in rec:
+            reason, message = rec["__problem__"]
+            raise DataError(message, reason)
+        return to_row(n, rec)
+
+    return wrapped
 
 
 def prepare_avqa(
@@ -130,13 +256,16 @@ def prepare_avqa(
     out: str | os.PathLike[str],
     root: str | os.PathLike[str] | None = None,
     check_media: bool = True,
+    problems: dict[str, str] | None = None,
 ) -> dict[str, int]:
-    """Convert an R1-AQA/AVQA jsonl; ``root`` (default: the source's directory) is the media root."""
+    """Convert an R1-AQA/AVQA jsonl (or parquet); ``root`` (default: the source's directory) is
+    the media root. ``problems`` receives the first message of each drop reason."""
     src_p = Path(src)
     root_p = Path(root) if root is not None else src_p.parent
     stats: Counter[str] = Counter()
-    stats["written"] = write_rows(out, avqa_rows(read_jsonl(src_p), root_p, check_media, stats))
-    return dict(stats)
+    problems = {} if problems is None else problems
+    rows = avqa_rows(read_records(src_p), root_p, check_media, stats, problems)
+    return write_prepared(out, rows, src_p, stats, problems)
 
 
 # -------------------------------------------------------------------------------------- Video-R1
@@ -160,54 +289,48 @@ def video_r1_rows(
     problem_types: set[str] | None,
     check_media: bool,
     stats: Counter[str],
+    problems: dict[str, str] | None = None,
 ) -> Iterator[DatasetRow]:
     """Video-R1 json (problem_id, problem, data_type, problem_type, options, solution, path,
     data_source) -> rows; filters by data_type, data_source prefix, problem_type, media presence."""
-    for n, rec in enumerate(records, start=1):
-        where = f"record {n} (problem_id {rec.get('problem_id')!r})"
-        missing = [
-            k
-            for k in ("problem_id", "problem", "data_type", "problem_type", "solution", "path")
-            if k not in rec
-        ]
-        if missing:
-            raise DataError(f"Video-R1 {where}: missing field(s) {missing}")
+
+    def to_row(n: int, rec: dict[str, Any]) -> DatasetRow | None:
+        where = f"Video-R1 record {n} (problem_id {rec.get('problem_id')!r})"
+        _required(
+            rec, ("problem_id", "problem", "data_type", "problem_type", "solution", "path"), where
+        )
         kind, ptype = rec["data_type"], rec["problem_type"]
         if kind not in data_types:
             stats[f"dropped_data_type_{kind}"] += 1
-            continue
+            return None
         if source_prefixes and not str(rec.get("data_source") or "").startswith(source_prefixes):
             stats["dropped_source"] += 1
-            continue
+            return None
         if problem_types is not None and ptype not in problem_types:
             stats["dropped_problem_type"] += 1
-            continue
+            return None
         if ptype not in VIDEO_R1_TYPE_INSTRUCTION:
             stats[f"dropped_unsupported_problem_type_{ptype}"] += 1
-            continue
+            return None
         m = ANSWER_TAG.search(str(rec["solution"]))
         if m is None or not m.group(1):
             stats["dropped_no_answer_tag"] += 1
-            continue
-        rel = _relative_media(str(rec["path"]), root)
-        if rel is None:
-            stats["dropped_outside_root"] += 1
-            continue
+            return None
+        rel = _relative_media(str(rec["path"]), root, where)
         if check_media and not _media_ok(rel, root):
             stats["dropped_missing_media"] += 1
-            continue
-        options = [str(o) for o in rec.get("options") or []]
+            return None
         question = str(rec["problem"]).strip()
         choices = None
         if ptype == "multiple choice":
-            if not options:
+            if not rec.get("options"):
                 stats["dropped_mcq_without_options"] += 1
-                continue
+                return None
+            options = _choice_list(rec["options"], where)
             choices = [OPTION_PREFIX.sub("", o, count=1) for o in options]
             question += "\nOptions:\n" + "\n".join(options)
         prompt = f"<{kind}>\n{question}\n{VIDEO_R1_TYPE_INSTRUCTION[ptype]}"
-        stats["kept"] += 1
-        yield parse_row(
+        return parse_row(
             {
                 "id": f"video-r1-{rec['problem_id']}",
                 "prompt": prompt,
@@ -222,8 +345,10 @@ def video_r1_rows(
                     "source": "video-r1",
                 },
             },
-            f"Video-R1 {where}",
+            where,
         )
+
+    return convert(records, _problem_marker(to_row), stats, {} if problems is None else problems)
 
 
 def prepare_video_r1(
@@ -234,28 +359,24 @@ def prepare_video_r1(
     source_prefixes: Iterable[str] = (),
     problem_types: Iterable[str] | None = None,
     check_media: bool = True,
+    problems: dict[str, str] | None = None,
 ) -> dict[str, int]:
-    """Convert Video-R1-260k style json (a list of records; jsonl also accepted)."""
+    """Convert Video-R1-260k style json (a list of records; jsonl and parquet also accepted)."""
     src_p = Path(src)
     root_p = Path(root) if root is not None else src_p.parent
-    text = src_p.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text)
-        records = data if isinstance(data, list) else [data]
-    except json.JSONDecodeError:
-        records = list(read_jsonl(src_p))
     stats: Counter[str] = Counter()
+    problems = {} if problems is None else problems
     rows = video_r1_rows(
-        records,
+        read_records(src_p),
         root_p,
         set(data_types),
         tuple(source_prefixes),
         set(problem_types) if problem_types else None,
         check_media,
         stats,
+        problems,
     )
-    stats["written"] = write_rows(out, rows)
-    return dict(stats)
+    return write_prepared(out, rows, src_p, stats, problems)
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -280,11 +401,12 @@ class _PreparerGroup(click.Group):
         return cmd
 
 
-def _report(stats: dict[str, int], out: str) -> None:
+def _report(stats: dict[str, int], out: str, problems: dict[str, str]) -> None:
     click.echo(f"wrote {stats.get('written', 0)} rows to {out}")
     for k, v in sorted(stats.items()):
         if k.startswith("dropped"):
-            click.echo(f"  {k}: {v}")
+            first = problems.get(k.removeprefix("dropped_"))
+            click.echo(f"  {k}: {v}" + (f" (first: {first})" if first else ""))
 
 
 @click.group("prepare-data", cls=_PreparerGroup)
@@ -309,12 +431,14 @@ _nocheck_opt = click.option(
 @_root_opt
 @_nocheck_opt
 def avqa_command(src: str, out: str, root: str | None, no_check_media: bool) -> None:
-    """R1-AQA/AVQA jsonl SRC -> rows OUT (<audio> prompts, letter labels)."""
+    """R1-AQA/AVQA jsonl or parquet SRC -> rows OUT (<audio> prompts, letter labels); OUT is
+    parquet when it ends in .parquet, else jsonl."""
+    problems: dict[str, str] = {}
     try:
-        stats = prepare_avqa(src, out, root, check_media=not no_check_media)
+        stats = prepare_avqa(src, out, root, check_media=not no_check_media, problems=problems)
     except DataError as err:
         raise click.ClickException(str(err)) from None
-    _report(stats, out)
+    _report(stats, out, problems)
 
 
 @prepare_data.command("video-r1")
@@ -351,7 +475,9 @@ def video_r1_command(
     source_prefixes: tuple[str, ...],
     problem_types: tuple[str, ...],
 ) -> None:
-    """Video-R1 json SRC -> rows OUT (<answer>X</answer> answers)."""
+    """Video-R1 json, jsonl or parquet SRC -> rows OUT (<answer>X</answer> answers); OUT is
+    parquet when it ends in .parquet, else jsonl."""
+    problems: dict[str, str] = {}
     try:
         stats = prepare_video_r1(
             src,
@@ -361,7 +487,8 @@ def video_r1_command(
             source_prefixes,
             problem_types or None,
             check_media=not no_check_media,
+            problems=problems,
         )
     except DataError as err:
         raise click.ClickException(str(err)) from None
-    _report(stats, out)
+    _report(stats, out, problems)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omni_grpo.data.audio import audio_features, audio_tokens, whisper_kwargs
-from omni_grpo.data.media import MediaError, load_audio, load_image, load_video, resolve_media
+from omni_grpo.data.media import (
+    MediaError,
+    MediaLimits,
+    Source,
+    load_audio,
+    load_image,
+    load_video,
+    resolve_media,
+)
 from omni_grpo.data.schema import PLACEHOLDER
 from omni_grpo.data.vision import (
     VisionProcessorConfig,
@@ -30,6 +39,10 @@ from omni_grpo.types import PromptInputs, Sample
 
 if TYPE_CHECKING:
     from omni_grpo.config import DataConfig
+
+# Fetches the embedded bytes of a media item (``item["blob"]`` set); None when the cell holds no
+# bytes, in which case the item's path is used.
+BlobFetcher = Callable[[dict[str, Any]], bytes | None]
 
 # media type -> config field holding its pad-token id
 PAD_ID_FIELDS: dict[str, str] = {
@@ -136,25 +149,63 @@ class PromptBuilder:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------------------ media side
-    def _media(self, sample: Sample, root: Path) -> tuple[dict[str, list[Any]], list[int]]:
-        """Decode and process every media item; returns tensors per key and the per-item token counts."""
+    @property
+    def limits(self) -> MediaLimits:
         d = self.data
+        return MediaLimits(
+            max_source_pixels=d.max_source_pixels,
+            audio_max_seconds=d.audio_max_seconds,
+            video_max_seconds=d.video_max_seconds,
+        )
+
+    @staticmethod
+    def source(item: dict[str, Any], root: Path, blobs: BlobFetcher | None) -> Source:
+        """The bytes of an embedded item, else its file (confined to ``root``)."""
+        if item.get("blob") is not None:
+            if blobs is None:
+                raise MediaError(
+                    "missing", f"{item.get('path') or 'item'}: embedded media without a reader"
+                )
+            data = blobs(item)
+            if data is not None:
+                return data
+            if not item.get("path"):
+                raise MediaError("missing", "embedded media item has neither bytes nor a path")
+        return resolve_media(root, item["path"])
+
+    def _media(
+        self, sample: Sample, root: Path, blobs: BlobFetcher | None = None
+    ) -> tuple[dict[str, list[Any]], list[int]]:
+        """Decode and process every media item; returns tensors per key and the per-item token counts.
+
+        Anything the decoders or processors raise on an item is that item's ``MediaError``: the
+        input is foreign, and one bad item must cost one row, never the run.
+        """
+        d, lim = self.data, self.limits
         out: dict[str, list[Any]] = {
             k: [] for k in ("img", "img_grid", "vid", "vid_grid", "spg", "feat", "mask")
         }
         counts: list[int] = []
+        # the feature extractor's reflect padding needs more than half an STFT window
+        min_samples = int(self.whisper.get("n_fft", 400)) // 2 + 1
         for item in sample.media:
-            path = resolve_media(root, item["path"])
+            src = self.source(item, root, blobs)
+            name = None  # a file names itself (its resolved path)
+            if item.get("blob") is not None:
+                name = f"{sample.uid}: embedded {item['type']} {item.get('path') or ''}".rstrip()
             try:
                 if item["type"] == "image":
                     pv, grid = process_image(
-                        load_image(path), self.image_cfg, d.image_max_pixels, d.image_min_pixels
+                        load_image(src, lim.max_source_pixels, name),
+                        self.image_cfg,
+                        d.image_max_pixels,
+                        d.image_min_pixels,
                     )
                     out["img"].append(pv)
                     out["img_grid"].append(grid)
                     counts.append(tokens_for_grid(grid, self.image_cfg.merge_size))
                 elif item["type"] == "video":
-                    clip = load_video(path, d.video_fps, d.max_frames)
+                    clip = load_video(src, d.video_fps, d.max_frames, name, lim)
                     pv, grid = process_frames(
                         clip.frames, self.video_cfg, max_pixels=d.video_max_pixels
                     )
@@ -163,14 +214,17 @@ class PromptBuilder:
                     out["spg"].append(self.video_cfg.temporal_patch_size / clip.fps)
                     counts.append(tokens_for_grid(grid, self.video_cfg.merge_size))
                 else:
-                    feats, mask = audio_features(
-                        load_audio(path, d.audio_max_seconds), self.whisper
-                    )
+                    wave = load_audio(src, lim.audio_max_seconds, name, min_samples)
+                    feats, mask = audio_features(wave, self.whisper)
                     out["feat"].append(feats[0])
                     out["mask"].append(mask[0])
                     counts.append(audio_tokens(mask, self.tokens.audio_n_window))
-            except ValueError as err:  # e.g. an image too small/elongated to resize
-                raise MediaError("unreadable", f"{item['path']}: {err}") from None
+            except MediaError:
+                raise
+            except Exception as err:  # e.g. an image too small/elongated to resize
+                raise MediaError(
+                    "unreadable", f"{name or src}: {type(err).__name__}: {err}"
+                ) from None
         return out, counts
 
     @staticmethod
@@ -216,11 +270,15 @@ class PromptBuilder:
             cursor[t] += 1
         return out
 
-    def build(self, sample: Sample, root: str | os.PathLike[str]) -> PromptInputs:
-        """Decode the sample's media under ``root`` and return its model inputs.
+    def build(
+        self, sample: Sample, root: str | os.PathLike[str], blobs: BlobFetcher | None = None
+    ) -> PromptInputs:
+        """Decode the sample's media (files under ``root``, embedded bytes through ``blobs``) and
+        return its model inputs.
 
-        Raises ``MediaError`` (with a counter ``reason``) for a missing, escaping or unreadable file.
+        Raises ``MediaError`` (with a counter ``reason``) for a missing, escaping, oversized or
+        unreadable item.
         """
-        out, counts = self._media(sample, Path(root))
+        out, counts = self._media(sample, Path(root), blobs)
         ids = self.expand(self.template_ids(sample), sample, counts)
         return PromptInputs(sample=sample, input_ids=ids, mm=self._pack(out))

@@ -9,11 +9,16 @@ A row::
 ``prompt`` carries one ``<image>``/``<video>``/``<audio>`` placeholder per media item, in order;
 ``media`` paths are relative to the dataset root. ``uid`` is accepted as an alias of ``id``.
 ``modality`` defaults to the media's single type ("text" with none, "mixed" with several).
-Errors name the file and the 1-based line.
+``label`` may not be empty, and with ``choices`` it must name one of them: an option letter
+(``A``.. for the number of choices, as the mcq reward reads it) or, for other rewards, the text
+of a choice. A label that can never score is refused at load, not trained on forever at 0.
+Errors name the file and the 1-based line; the lenient loader (``omni_grpo.data.sources``)
+skips and counts a bad row by its ``reason`` (the pydantic error type for our own checks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,15 +28,39 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from omni_grpo.types import Sample
 
 MediaType = Literal["image", "video", "audio"]
 PLACEHOLDER = re.compile(r"<(image|video|audio)>")
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# Every field a row may carry; ``data.columns`` renames source columns onto these. The list
+# columns ``images``/``audios``/``videos`` (TRL / verl convention) are the alternative to ``media``.
+ROW_FIELDS: tuple[str, ...] = (
+    "id",
+    "prompt",
+    "label",
+    "media",
+    "images",
+    "audios",
+    "videos",
+    "choices",
+    "reward",
+    "modality",
+    "metadata",
+)
+# list column -> media type of its items
+MEDIA_COLUMNS: dict[str, MediaType] = {"images": "image", "audios": "audio", "videos": "video"}
 
 
 class DataError(ValueError):
-    """A dataset file or row is invalid; the message names the file and row."""
+    """A dataset file or row is invalid; the message names the file and row. ``reason`` is the
+    skip counter key when the lenient loader skips the row instead."""
+
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class MediaRef(BaseModel):
@@ -66,13 +95,25 @@ class DatasetRow(BaseModel):
         in_prompt = PLACEHOLDER.findall(self.prompt)
         in_media = [m.type for m in self.media]
         if in_prompt != in_media:
-            raise ValueError(
-                f"prompt placeholders {in_prompt} do not match media types {in_media} (one <type> per item, in order)"
+            raise PydanticCustomError(
+                "placeholder_mismatch",
+                "prompt placeholders {p} do not match media types {m} (one <type> per item, in order)",
+                {"p": str(in_prompt), "m": str(in_media)},
             )
+        check_label(self.label, self.choices, self.reward)
         if self.modality is None:
             kinds = sorted(set(in_media))
             self.modality = "text" if not kinds else kinds[0] if len(kinds) == 1 else "mixed"
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _metadata_json(cls, data: Any) -> Any:
+        """A table stores ``metadata`` as a JSON string (its keys differ per row)."""
+        if isinstance(data, dict) and isinstance(data.get("metadata"), str):
+            with contextlib.suppress(json.JSONDecodeError):  # else the field's own error names it
+                data = {**data, "metadata": json.loads(data["metadata"])}
+        return data
 
     def to_sample(self) -> Sample:
         return Sample(
@@ -87,6 +128,43 @@ class DatasetRow(BaseModel):
         )
 
 
+def check_label(label: str, choices: list[str] | None, reward: str | None) -> None:
+    """Refuse a label that can never be scored right (see the module docstring)."""
+    if not label.strip():
+        raise PydanticCustomError("bad_label", "label is empty")
+    if choices is None:
+        return
+    if not choices:
+        raise PydanticCustomError("bad_label", "choices is an empty list (omit it instead)")
+    letters = LETTERS[: len(choices)]
+    if label.strip().strip("()").upper() in letters:
+        return
+    if reward != "mcq" and label.strip() in (c.strip() for c in choices):
+        return
+    raise PydanticCustomError(
+        "bad_label",
+        "label {label} is not among the {n} choices (expected an option letter {first}-{last}"
+        "{text})",
+        {
+            "label": repr(label),
+            "n": len(choices),
+            "first": letters[0],
+            "last": letters[-1],
+            "text": "" if reward == "mcq" else " or the text of a choice",
+        },
+    )
+
+
+def error_reason(err: ValidationError) -> str:
+    """The skip counter key of a row's first validation error: our own check's name
+    (``bad_label``, ``placeholder_mismatch``), ``missing_field``, else ``invalid``."""
+    kind = err.errors()[0]["type"]
+    return {"missing": "missing_field"}.get(kind, kind if kind in ROW_CHECKS else "invalid")
+
+
+ROW_CHECKS = frozenset({"bad_label", "placeholder_mismatch"})
+
+
 def _format_errors(err: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(p) for p in e['loc']) or 'row'}: {e['msg']}" for e in err.errors()
@@ -96,62 +174,100 @@ def _format_errors(err: ValidationError) -> str:
 def parse_row(obj: Any, where: str) -> DatasetRow:
     """Validate one decoded JSON value; ``where`` ("file.jsonl:12") prefixes every error."""
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}", "not_object")
     try:
         return DatasetRow.model_validate(obj)
     except ValidationError as err:
-        raise DataError(f"{where}: {_format_errors(err)}") from None
+        raise DataError(f"{where}: {_format_errors(err)}", error_reason(err)) from None
 
 
 def iter_rows(path: str | os.PathLike[str]) -> Iterator[DatasetRow]:
-    """Stream validated rows from a jsonl file (blank lines skipped); raises DataError on the first bad row."""
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"dataset file not found: {file}")
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(
-                    f"{file}:{lineno}: not valid JSON: {err.msg} (column {err.colno})"
-                ) from None
-            yield parse_row(obj, f"{file}:{lineno}")
+    """Stream validated rows from a jsonl file, STRICTLY: the first bad row raises DataError.
+
+    For checking a file a tool wrote; training reads through the lenient ``read_samples``.
+    """
+    from omni_grpo.data.sources import jsonl_records
+
+    for rec in jsonl_records(Path(path)):
+        if rec.problem is not None:
+            raise DataError(rec.problem[1], rec.problem[0])
+        yield parse_row(rec.obj, rec.where)
 
 
-def read_samples(path: str | os.PathLike[str]) -> list[Sample]:
-    """All rows of a jsonl file as Samples (media NOT decoded); duplicate ids are an error."""
-    samples: list[Sample] = []
-    seen: dict[str, int] = {}
-    for i, row in enumerate(iter_rows(path)):
-        if row.id in seen:
-            raise DataError(
-                f"{path}: duplicate id {row.id!r} (rows {seen[row.id] + 1} and {i + 1})"
-            )
-        seen[row.id] = i
-        samples.append(row.to_sample())
-    return samples
+def read_samples(
+    path: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    columns: dict[str, str] | None = None,
+    strict: bool = False,
+) -> list[Sample]:
+    """All usable rows of a dataset (jsonl, parquet, glob, list, datasets dir) as Samples, media
+    NOT decoded. Bad rows are skipped and counted (``strict``: the first one raises); a file
+    with no usable row raises. See ``omni_grpo.data.sources.load_rows``."""
+    from omni_grpo.data.sources import load_rows
+
+    return load_rows(path, columns, strict=strict).samples
+
+
+PARQUET_ROW_GROUP = 64  # rows per row group: random access reads one group (see sources.py)
 
 
 def write_rows(path: str | os.PathLike[str], rows: Iterable[DatasetRow | dict[str, Any]]) -> int:
     """Write rows atomically (temp file in the same directory, then rename); returns the count.
 
-    Dict rows are validated first, so a preparer can never write a file the loader would refuse.
+    jsonl, or parquet when ``path`` ends in ``.parquet`` (our fields as columns, ``metadata`` as a
+    JSON string since its keys differ per row). Dict rows are validated first, so a preparer can
+    never write a file the loader would refuse.
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     n = 0
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for i, row in enumerate(rows):
-                r = row if isinstance(row, DatasetRow) else parse_row(row, f"{out} (row {i + 1})")
-                f.write(json.dumps(r.model_dump(exclude_none=True), ensure_ascii=False) + "\n")
-                n += 1
+        valid = (
+            r if isinstance(r, DatasetRow) else parse_row(r, f"{out} (row {i + 1})")
+            for i, r in enumerate(rows)
+        )
+        if out.suffix.lower() == ".parquet":
+            os.close(fd)
+            n = _write_parquet(Path(tmp), valid)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                for r in valid:
+                    f.write(json.dumps(r.model_dump(exclude_none=True), ensure_ascii=False) + "\n")
+                    n += 1
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return n
+
+
+def _write_parquet(path: Path, rows: Iterable[DatasetRow]) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("prompt", pa.string()),
+            ("label", pa.string()),
+            ("media", pa.list_(pa.struct([("type", pa.string()), ("path", pa.string())]))),
+            ("choices", pa.list_(pa.string())),
+            ("reward", pa.string()),
+            ("modality", pa.string()),
+            ("metadata", pa.string()),
+        ]
+    )
+    n = 0
+    with pq.ParquetWriter(str(path), schema) as writer:
+        batch: list[dict[str, Any]] = []
+        for r in rows:
+            d = r.model_dump()
+            d["metadata"] = json.dumps(d["metadata"], ensure_ascii=False)
+            batch.append(d)
+            if len(batch) == PARQUET_ROW_GROUP:
+                writer.write_table(pa.Table.from_pylist(batch, schema))
+                n, batch = n + len(batch), []
+        if batch or n == 0:
+            writer.write_table(pa.Table.from_pylist(batch, schema))
+            n += len(batch)
     return n

@@ -1,0 +1,519 @@
+"""Where rows come from: jsonl files, parquet files and ``datasets.save_to_disk`` directories.
+
+``data.train`` / ``data.eval`` name a ``.jsonl`` file, a ``.parquet`` file, a glob or a list of
+them, or a ``save_to_disk`` directory. Every source yields the same row fields (``id`` optional:
+``<file stem>-<row index>``); media come either as ``media`` (our ``{type, path}`` list) or in the
+list columns ``images`` / ``audios`` / ``videos`` (the TRL / verl convention), whose items are
+paths or the ``datasets`` feature structs ``{bytes, path}``; they are matched to the prompt's
+placeholders in order, per type. ``columns`` (``data.columns``) renames source columns onto our
+fields, e.g. ``{label: answer, prompt: problem}``.
+
+Rows are validated up front, WITHOUT reading media bytes: parquet is read by row group and only
+the ``path`` leaf of a media struct column is read (parquet stores it as its own column chunk),
+and a ``save_to_disk`` directory's Arrow files are memory-mapped (zero copy: the bytes stay on
+disk until a row's media is decoded). A bad row — not UTF-8, bad JSON, not an object, a missing
+or invalid field, a label outside its choices, placeholders that do not match the media, a
+duplicate id — is skipped, counted by reason (``skipped_rows``, ``skipped_rows_<reason>``) and
+logged (the first few per file, then a summary line); only a file with no usable row is an error,
+one line that names it. A UTF-8 BOM at the start of a line is tolerated (Windows editors write
+one at the start of a file, ``cat`` puts them mid-file).
+
+Extra columns of a table (parquet / Arrow) are ignored, listed once in the log: published tables
+carry many columns we do not use. Extra keys in a jsonl row stay an error (a typo there is local).
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob as globlib
+import json
+import logging
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omni_grpo.data.schema import (
+    MEDIA_COLUMNS,
+    PLACEHOLDER,
+    ROW_FIELDS,
+    DataError,
+    parse_row,
+)
+from omni_grpo.types import Sample
+
+log = logging.getLogger(__name__)
+
+BOM = b"\xef\xbb\xbf"
+LOGGED_PER_FILE = 5  # skipped rows logged one by one per file; the rest go into the summary line
+PARQUET_MAGIC = b"PAR1"
+# How many (row group, column) reads of embedded media a parquet source keeps: rows are mostly
+# visited in row-group order only within a shuffled epoch's neighbours, so a few suffice.
+ROW_GROUP_CACHE = 4
+
+Spec = str | os.PathLike[str] | list[str | os.PathLike[str]] | list[Path]
+
+
+@dataclass
+class RawRecord:
+    """One row as read, before validation: ``obj`` or a ``problem`` = (reason, message)."""
+
+    where: str
+    index: int  # row index within its file (0-based; the jsonl line number - 1)
+    obj: dict[str, Any] | None = None
+    problem: tuple[str, str] | None = None
+    # media columns of a table: column -> list of item paths (bytes stay unread until needed)
+    embedded: dict[str, list[str | None]] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ jsonl
+def jsonl_records(path: Path) -> Iterator[RawRecord]:
+    """Lines of a jsonl file as records; a line that is not UTF-8, not JSON or not an object is a
+    record with a ``problem`` naming the file and the 1-based line."""
+    if not path.is_file():
+        raise DataError(f"dataset file not found: {path}")
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            raw = raw.removeprefix(BOM)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                bad = raw[err.start : err.start + 4]
+                yield RawRecord(
+                    where,
+                    lineno - 1,
+                    problem=("not_utf8", f"{where}: not UTF-8 (byte {err.start}: {bad!r})"),
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield RawRecord(
+                    where,
+                    lineno - 1,
+                    problem=(
+                        "bad_json",
+                        f"{where}: not valid JSON: {err.msg} (column {err.colno})",
+                    ),
+                )
+                continue
+            if not isinstance(obj, dict):
+                yield RawRecord(
+                    where,
+                    lineno - 1,
+                    problem=(
+                        "not_object",
+                        f"{where}: expected a JSON object, got {type(obj).__name__}",
+                    ),
+                )
+                continue
+            yield RawRecord(where, lineno - 1, obj=obj)
+
+
+class JsonlSource:
+    """A jsonl file; media are files (no embedded bytes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.name = path.stem
+
+    def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
+        return jsonl_records(self.path)
+
+    def fetch(self, row: int, column: str, item: int) -> bytes | None:  # pragma: no cover
+        raise DataError(f"{self.path}: jsonl rows have no embedded media")
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _media_kind(arrow_type: Any) -> tuple[str, bool] | None:
+    """(``list``|``single``, whether its structs carry a ``path`` field) for a column of
+    ``{bytes, path}`` structs or a list of them; None for any other column."""
+    import pyarrow as pa
+
+    kind, t = "single", arrow_type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        kind, t = "list", t.value_type
+    if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
+        return kind, t.get_field_index("path") >= 0
+    return None
+
+
+def _paths_from_struct_column(arr: Any, kind: str) -> list[list[str | None] | None]:
+    """Per row, the ``path`` of each item of a struct / list-of-struct column (no bytes touched)."""
+    if kind == "single":
+        structs, lengths = arr, None
+    else:
+        structs, lengths = arr.flatten(), arr.value_lengths().to_pylist()
+    idx = structs.type.get_field_index("path")
+    paths = structs.flatten()[idx].to_pylist() if idx >= 0 else [None] * len(structs)
+    if lengths is None:
+        valid = arr.is_valid().to_pylist()
+        return [[p] if ok else None for p, ok in zip(paths, valid, strict=True)]
+    out: list[list[str | None] | None] = []
+    pos = 0
+    for n in lengths:
+        if n is None:
+            out.append(None)
+            continue
+        out.append(paths[pos : pos + n])
+        pos += n
+    return out
+
+
+class _TableSource:
+    """Shared row assembly of parquet and Arrow sources: plain columns as Python values, media
+    struct columns as per-item paths with the bytes left where they are."""
+
+    path: Path
+    name: str
+    schema: Any  # pyarrow.Schema
+
+    def _plan(self, columns: dict[str, str]) -> tuple[list[str], dict[str, tuple[str, bool]]]:
+        """(plain columns to read, embedded media column -> its kind) for this schema."""
+        wanted = {columns.get(f, f) for f in ROW_FIELDS} | {"uid"}
+        present = [n for n in self.schema.names if n in wanted]
+        unused = [n for n in self.schema.names if n not in wanted]
+        if unused:
+            log.info("%s: columns not used: %s", self.path, ", ".join(unused))
+        media_cols = {columns.get(f, f) for f in MEDIA_COLUMNS}
+        embedded: dict[str, tuple[str, bool]] = {}
+        plain: list[str] = []
+        for n in present:
+            kind = _media_kind(self.schema.field(n).type) if n in media_cols else None
+            if kind is not None:
+                embedded[n] = kind
+            else:
+                plain.append(n)
+        return plain, embedded
+
+    def _records(
+        self, start: int, plain: dict[str, list[Any]], media: dict[str, list[Any]], n: int
+    ) -> Iterator[RawRecord]:
+        for i in range(n):
+            index = start + i
+            obj = {k: v[i] for k, v in plain.items()}
+            emb = {k: v[i] for k, v in media.items() if v[i] is not None}
+            yield RawRecord(f"{self.path} row {index}", index, obj=obj, embedded=emb)
+
+
+class ParquetSource(_TableSource):
+    """A parquet file, read one row group at a time; embedded media read per row on demand."""
+
+    def __init__(self, path: Path) -> None:
+        import pyarrow.parquet as pq
+
+        self.path, self.name = path, path.stem
+        try:
+            self.file = pq.ParquetFile(str(path), memory_map=True)
+        except Exception as err:
+            raise DataError(f"{path}: not a readable parquet file: {err}") from None
+        self.schema = self.file.schema_arrow
+        meta = self.file.metadata
+        self.starts = [0]
+        for rg in range(meta.num_row_groups):
+            self.starts.append(self.starts[-1] + meta.row_group(rg).num_rows)
+        self.leaves = [self.file.schema.column(i).path for i in range(meta.num_columns)]
+        self._cache: OrderedDict[tuple[int, str], Any] = OrderedDict()
+
+    def _leaf(self, column: str, field_name: str) -> str | None:
+        for leaf in self.leaves:
+            if leaf.startswith(column + ".") and leaf.rsplit(".", 1)[-1] == field_name:
+                return leaf
+        return None
+
+    def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
+        plain, embedded = self._plan(columns)
+        for rg in range(len(self.starts) - 1):
+            try:
+                cols = list(plain)
+                for c, (_, has_path) in embedded.items():
+                    cols.append(self._leaf(c, "path") if has_path else c)
+                table = self.file.read_row_group(rg, columns=cols)
+            except Exception as err:
+                raise DataError(f"{self.path}: row group {rg} is unreadable: {err}") from None
+            values = {c: table.column(c).to_pylist() for c in plain}
+            media = {
+                c: _paths_from_struct_column(table.column(c).combine_chunks(), kind)
+                for c, (kind, _) in embedded.items()
+            }
+            yield from self._records(self.starts[rg], values, media, table.num_rows)
+
+    def fetch(self, row: int, column: str, item: int) -> bytes | None:
+        rg = bisect.bisect_right(self.starts, row) - 1
+        key = (rg, column)
+        col = self._cache.get(key)
+        if col is None:
+            leaf = self._leaf(column, "bytes") or column
+            col = self.file.read_row_group(rg, columns=[leaf]).column(0)
+            self._cache[key] = col
+            while len(self._cache) > ROW_GROUP_CACHE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return _item_bytes(col[row - self.starts[rg]], item)
+
+
+def _item_bytes(cell: Any, item: int) -> bytes | None:
+    """The ``bytes`` of item ``item`` of a list-of-struct cell (or of a single struct cell)."""
+    import pyarrow as pa
+
+    if isinstance(cell, pa.ListScalar | pa.LargeListScalar):
+        cell = cell.values[item]
+    value = cell["bytes"] if isinstance(cell, pa.StructScalar) else cell
+    return value.as_py()
+
+
+class ArrowDirSource(_TableSource):
+    """A ``datasets.save_to_disk`` directory: its Arrow IPC stream files, memory-mapped."""
+
+    def __init__(self, path: Path) -> None:
+        import pyarrow as pa
+
+        self.path, self.name = path, path.name
+        if (path / "dataset_dict.json").is_file():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            raise DataError(
+                f"{path} is a DatasetDict with splits {splits}; point data.train / data.eval "
+                f"at one split's directory (e.g. {path / (splits[0] if splits else 'train')})"
+            )
+        state = path / "state.json"
+        if state.is_file():
+            files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        else:
+            files = sorted(path.glob("*.arrow"))
+        if not files:
+            raise DataError(f"{path}: a directory without state.json or *.arrow files")
+        self.tables = []
+        for f in files:
+            try:
+                self.tables.append(pa.ipc.open_stream(pa.memory_map(str(f), "r")).read_all())
+            except Exception as err:
+                raise DataError(f"{f}: not a readable Arrow stream: {err}") from None
+        self.schema = self.tables[0].schema
+        self.starts = [0]
+        for t in self.tables:
+            self.starts.append(self.starts[-1] + t.num_rows)
+
+    def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
+        plain, embedded = self._plan(columns)
+        for t, start in zip(self.tables, self.starts, strict=False):
+            for batch in t.to_batches(max_chunksize=1024):
+                values = {c: batch.column(c).to_pylist() for c in plain}
+                media = {
+                    c: _paths_from_struct_column(batch.column(c), kind)
+                    for c, (kind, _) in embedded.items()
+                }
+                yield from self._records(start, values, media, batch.num_rows)
+                start += batch.num_rows
+
+    def fetch(self, row: int, column: str, item: int) -> bytes | None:
+        k = bisect.bisect_right(self.starts, row) - 1
+        return _item_bytes(self.tables[k].column(column)[row - self.starts[k]], item)
+
+
+# --------------------------------------------------------------------------------------- opening
+def expand_spec(spec: Spec) -> list[Path]:
+    """The files / dirs a ``data.train`` value names (globs expanded, sorted), in order."""
+    items = spec if isinstance(spec, list) else [spec]
+    out: list[Path] = []
+    for it in items:
+        s = os.fspath(it)
+        if globlib.has_magic(s):
+            hits = sorted(globlib.glob(s))
+            if not hits:
+                raise DataError(f"no dataset file matches {s}")
+            out.extend(Path(h) for h in hits)
+        else:
+            out.append(Path(s))
+    if not out:
+        raise DataError("no dataset file given (an empty list)")
+    return out
+
+
+def open_source(path: Path) -> JsonlSource | ParquetSource | ArrowDirSource:
+    """The reader for one path: a directory is a ``save_to_disk`` dataset, ``.parquet`` (or a file
+    starting with parquet's magic) is parquet, anything else is read as jsonl."""
+    if path.is_dir():
+        return ArrowDirSource(path)
+    if not path.is_file():
+        raise DataError(f"dataset file not found: {path}")
+    if path.suffix.lower() in (".parquet", ".pq"):
+        return ParquetSource(path)
+    with path.open("rb") as f:
+        if f.read(4) == PARQUET_MAGIC:
+            return ParquetSource(path)
+    return JsonlSource(path)
+
+
+# ---------------------------------------------------------------------------------- normalising
+def _media_items(value: Any, column: str) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def normalise(rec: RawRecord, columns: dict[str, str], source_name: str) -> tuple[dict, list]:
+    """Our row dict from a raw record, plus per media item its blob address ``(column, k)`` or
+    None (a file). Raises DataError(reason) for what cannot be a row."""
+    obj = dict(rec.obj or {})
+    for fld, col in columns.items():  # rename source columns onto our fields
+        if col in obj and col != fld:
+            obj[fld] = obj.pop(col)
+    if obj.get("id") is None:  # absent or null: the uid alias, else ``<file stem>-<row index>``
+        obj.pop("id", None)
+        if obj.get("uid") is None:
+            obj.pop("uid", None)
+            obj["id"] = f"{source_name}-{rec.index}"
+    present = {f: col for f in MEDIA_COLUMNS if (col := columns.get(f, f)) in rec.embedded}
+    lists = {f: obj.pop(f) for f in MEDIA_COLUMNS if f in obj}
+    blobs: list[tuple[str, int] | None] = []
+    if not lists and not present:
+        media = obj.get("media")
+        return obj, [None] * (len(media) if isinstance(media, list) else 0)
+    if obj.get("media"):
+        raise DataError(
+            f"{rec.where}: both media and images/audios/videos given; use one", "invalid"
+        )
+    # per type, its items in order: (path or None, blob address or None)
+    queue: dict[str, list[tuple[Any, tuple[str, int] | None]]] = {}
+    for f, kind in MEDIA_COLUMNS.items():
+        items: list[tuple[Any, tuple[str, int] | None]] = []
+        if f in present:
+            col = present[f]
+            items = [(p, (col, k)) for k, p in enumerate(rec.embedded[col])]
+        elif f in lists:
+            for k, it in enumerate(_media_items(lists[f], f)):
+                path = it.get("path") if isinstance(it, dict) else it
+                if isinstance(it, dict) and it.get("bytes") is not None:
+                    raise DataError(f"{rec.where}: {f}[{k}] has bytes; jsonl media are files")
+                if not isinstance(path, str) or not path:
+                    raise DataError(f"{rec.where}: {f}[{k}] is not a media path: {it!r}")
+                items.append((path, None))
+        queue[kind] = items
+    wanted = PLACEHOLDER.findall(str(obj.get("prompt", "")))
+    have = {t: len(v) for t, v in queue.items() if v}
+    need = dict(Counter(wanted))
+    if have != need:
+        raise DataError(
+            f"{rec.where}: prompt placeholders {need or {}} do not match media items {have or {}}",
+            "placeholder_mismatch",
+        )
+    media: list[dict[str, str]] = []
+    cursor = dict.fromkeys(queue, 0)
+    for t in wanted:
+        path, blob = queue[t][cursor[t]]
+        cursor[t] += 1
+        name = path if isinstance(path, str) and path else f"{blob[0]}[{blob[1]}]"
+        media.append({"type": t, "path": name})
+        blobs.append(blob)
+    obj["media"] = media
+    return obj, blobs
+
+
+# ------------------------------------------------------------------------------------- loading
+@dataclass
+class LoadedRows:
+    """The usable rows of a split, what was skipped, and how to fetch embedded media."""
+
+    samples: list[Sample]
+    skipped: Counter[str]
+    sources: list[Any]
+
+    def counters(self) -> dict[str, int]:
+        """``skipped_rows`` and ``skipped_rows_<reason>`` (only when something was skipped)."""
+        total = sum(self.skipped.values())
+        if not total:
+            return {}
+        return {"skipped_rows": total, **{f"skipped_rows_{k}": v for k, v in self.skipped.items()}}
+
+    def fetch(self, item: dict[str, Any]) -> bytes | None:
+        src, row, column, k = item["blob"]
+        return self.sources[src].fetch(row, column, k)
+
+
+@dataclass
+class _FileTally:
+    """Skips of one file: counted by reason, the first few logged, the first one kept for the
+    error when nothing in the file is usable."""
+
+    path: Path
+    strict: bool
+    skips: Counter[str] = field(default_factory=Counter)
+    first: str | None = None
+    kept: int = 0
+
+    def skip(self, reason: str, message: str) -> None:
+        if self.strict:
+            raise DataError(message, reason)
+        self.skips[reason] += 1
+        self.first = self.first or message
+        if self.skipped <= LOGGED_PER_FILE:
+            log.warning("skipping row (%s): %s", reason, message)
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.skips.values())
+
+    def detail(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(self.skips.items()))
+
+    def finish(self) -> None:
+        """One line for the file: an error when no row is usable, else a summary of the skips."""
+        if self.kept == 0:
+            why = f"{self.skipped} skipped: {self.detail()}; first: {self.first}"
+            raise DataError(f"{self.path}: no usable row ({why if self.skipped else 'empty'})")
+        if self.skipped:
+            log.warning(
+                "%s: %d rows used, %d skipped (%s)",
+                self.path,
+                self.kept,
+                self.skipped,
+                self.detail(),
+            )
+
+
+def load_rows(
+    spec: Spec, columns: dict[str, str] | None = None, strict: bool = False
+) -> LoadedRows:
+    """Read and validate every row of ``spec`` (see the module docstring); media not decoded.
+    ``strict``: the first bad row raises its DataError instead of being skipped."""
+    columns = dict(columns or {})
+    samples: list[Sample] = []
+    skipped: Counter[str] = Counter()
+    seen: dict[str, str] = {}
+    sources: list[Any] = []
+    for src_index, path in enumerate(expand_spec(spec)):
+        source = open_source(path)
+        sources.append(source)
+        tally = _FileTally(path, strict)
+        for rec in source.records(columns):
+            if rec.problem is not None:
+                tally.skip(*rec.problem)
+                continue
+            try:
+                obj, blobs = normalise(rec, columns, source.name)
+                row = parse_row(obj, rec.where)
+            except DataError as err:
+                tally.skip(err.reason, str(err))
+                continue
+            if row.id in seen:
+                tally.skip(
+                    "duplicate_id",
+                    f"{rec.where}: duplicate id {row.id!r} (first at {seen[row.id]})",
+                )
+                continue
+            seen[row.id] = rec.where
+            sample = row.to_sample()
+            for item, blob in zip(sample.media, blobs, strict=True):
+                if blob is not None:
+                    item["blob"] = (src_index, rec.index, blob[0], blob[1])
+            samples.append(sample)
+            tally.kept += 1
+        tally.finish()
+        skipped.update(tally.skips)
+    return LoadedRows(samples, skipped, sources)
