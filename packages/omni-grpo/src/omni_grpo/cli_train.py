@@ -69,7 +69,13 @@ def plan_text(cfg: Any, gpus: int | None = None) -> str:
 @click.option(
     "--base", is_flag=True, help="Evaluate the untrained model even if checkpoints exist."
 )
-def eval_command(cfg: Any, checkpoint: Path | None, base: bool) -> None:
+@click.option(
+    "--exported",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Evaluate a directory written by `omni-grpo export` (omni or vl format) instead.",
+)
+def eval_command(cfg: Any, checkpoint: Path | None, base: bool, exported: Path | None) -> None:
     """Held-out accuracy per modality of a checkpoint (greedy, rollout.eval_sampling)."""
     from rich.console import Console
     from rich.table import Table
@@ -87,6 +93,15 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool) -> None:
         prepare_model,
     )
 
+    if exported is not None:  # the exported model replaces the run's model and checkpoints
+        from omni_grpo.export.evaluate import exported_model_config
+        from omni_grpo.export.run import ExportError
+
+        try:
+            cfg = exported_model_config(cfg, exported, click.get_current_context().call_on_close)
+        except ExportError as err:
+            raise click.UsageError(str(err)) from None
+        base = True
     run_dir = Path(cfg.run.dir)
     vl_dir, _ = prepare_model(cfg.model, run_dir)
     data_cfg = prepare_data(cfg.data, run_dir)
@@ -121,10 +136,11 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool) -> None:
         cfg.rewards,
         cfg.eval.max_samples,
     )
-    table = Table(title=f"held-out accuracy ({ckpt or 'untrained model'})")
+    table = Table(title=f"held-out accuracy ({ckpt or exported or 'untrained model'})")
     table.add_column("modality")
     table.add_column("accuracy", justify="right")
     for key, value in result.items():
         table.add_row(key.rsplit("/", 1)[-1], f"{value:.3f}")
     Console(stderr=True).print(table)
-    click.echo(json.dumps({"checkpoint": str(ckpt) if ckpt else None, **result}))
+    source = {"exported": str(exported)} if exported is not None else {}
+    click.echo(json.dumps({"checkpoint": str(ckpt) if ckpt else None, **source, **result}))
