@@ -73,7 +73,7 @@ def matmul_rate(device: torch.device) -> float:
 
 def time_step(th, ids, pos, iters: int, warmup: int, loss: str = "vocab_parallel") -> list[float]:
     from omni_grpo.algo import token_logprobs_from_logits
-    from omni_grpo.backends.megatron.train import vocab_parallel_logprobs
+    from omni_grpo.backends.megatron.vocab_parallel import vocab_parallel_logprobs
 
     times = []
     for i in range(warmup + iters):
@@ -204,7 +204,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    from omni_grpo.backends.megatron.train import init_parallel
+    from omni_grpo.backends.megatron.model import init_parallel
     from omni_grpo.config import MegatronConfig
 
     init_parallel(MegatronConfig())

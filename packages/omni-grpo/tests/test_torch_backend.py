@@ -7,14 +7,14 @@ import copy
 import pytest
 import torch
 from omni_grpo.backends import available_backends, backend_factory
-from omni_grpo.backends.torch_backend import GRPOBatch, TorchBackend, make_micro_batches
+from omni_grpo.backends.torch_backend import TorchBackend, make_micro_batches
 from omni_grpo.config import AlgoConfig, DataConfig, ModelConfig, TinyModelConfig, TrainerConfig
 from omni_grpo.data.dataset import OmniDataset
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.data.synthetic import generate_synthetic
 from omni_grpo.rollout.embedded import EmbeddedEngine
 from omni_grpo.trainer import media_token_ids, prepare_model
-from omni_grpo.types import SamplingConfig
+from omni_grpo.types import GRPOBatch, SamplingConfig
 
 
 @pytest.fixture(scope="module")

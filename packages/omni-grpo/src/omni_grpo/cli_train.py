@@ -122,9 +122,9 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool, exported: Path |
         cfg.rollout.model_copy(update={"engine": "embedded"})
         if cfg.rollout.engine == "embedded"
         else cfg.rollout,
-        policy=backend.model,
+        policy=backend.policy,
         eos_token_ids=eos_ids,
-        banned_token_ids=media_token_ids(backend.model),
+        banned_token_ids=media_token_ids(backend.policy),
         decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
         device=str(backend.device),
         vocab_size=len(tok),

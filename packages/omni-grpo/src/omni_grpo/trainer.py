@@ -29,7 +29,6 @@ from omni_extract.tokens import MEDIA_TOKEN_ID_FIELDS
 
 from omni_grpo.algo import group_advantages
 from omni_grpo.backends import create_backend
-from omni_grpo.backends.torch_backend import GRPOBatch
 from omni_grpo.rewards import score_sample
 from omni_grpo.rollout import IN_PROCESS, create_engine
 from omni_grpo.run.checkpoint import (
@@ -44,7 +43,7 @@ from omni_grpo.run.metrics import MetricsLogger
 from omni_grpo.run.plots import plot_run
 from omni_grpo.run.progress import TrainProgress
 from omni_grpo.run.stored_config import store_run_config
-from omni_grpo.types import Completion, PromptInputs
+from omni_grpo.types import Completion, GRPOBatch, PromptInputs, TrainerBackend
 
 if TYPE_CHECKING:
     from omni_grpo.config import DataConfig, ModelConfig, OmniGRPOConfig
@@ -294,17 +293,17 @@ def train(
     seed_everything(cfg.run.seed)
 
     # --- backend (owns the weights) and rollout engine
-    backend = create_backend(
+    backend: TrainerBackend = create_backend(
         cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
     )
-    banned = media_token_ids(getattr(backend, "model", None))
+    banned = media_token_ids(backend.policy)
     engine = create_engine(
         cfg.rollout,
-        policy=getattr(backend, "model", None),
+        policy=backend.policy,
         eos_token_ids=eos_ids,
         banned_token_ids=banned,
         decode_fn=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        device=str(getattr(backend, "device", "cpu")),
+        device=str(backend.device),
         vocab_size=len(tokenizer),
     )
     sync = None
@@ -326,7 +325,8 @@ def train(
         log.info("resumed from %s (step %d)", ckpt, state.step)
         if sync is not None and state.step > 0:
             # The servers may hold older weights (a run stopped by a failed sync saves first).
-            sync.push(backend.state_dict_for_sync(), version=f"step-{state.step}")
+            weights, layout = backend.weights_for_sync()
+            sync.push(weights, version=f"step-{state.step}", layout=layout)
     elif resume:
         log.warning(
             "resume requested but %s has no checkpoint; starting from scratch",
@@ -406,7 +406,8 @@ def train(
                 # weight sync (remote engines only; the embedded engine shares the module)
                 if sync is not None:
                     try:
-                        report = sync.push(backend.state_dict_for_sync(), version=f"step-{step}")
+                        weights, layout = backend.weights_for_sync()
+                        report = sync.push(weights, version=f"step-{step}", layout=layout)
                     except Exception:
                         # The sync retried what it could; keep the step's update before stopping.
                         state.step = step
@@ -418,7 +419,7 @@ def train(
                             step,
                         )
                         raise
-                    metrics.update(getattr(report, "metrics", dict)())
+                    metrics.update(report.metrics())
                 # metrics / eval / checkpoint
                 metrics.update(rollout_metrics(groups, rewards))
                 metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train})
@@ -443,9 +444,8 @@ def train(
         logger.close()
         if sync is not None:
             sync.close()
-        close_engine = getattr(engine, "close", None)  # remote engines hold HTTP connection pools
-        if close_engine is not None:
-            close_engine()
+        engine.close()  # remote engines hold HTTP connection pools
+        backend.close()
     plots = plot_run(run_dir) if cfg.run.plots and state.step == cfg.run.steps else []
     return TrainResult(run_dir, state.step, last_eval, plots, time.perf_counter() - t_start)
 

@@ -2,14 +2,18 @@
 
 These are the seams between components: data -> rollout engine -> rewards -> algo -> backend ->
 weight sync. Each component takes its own config sub-model and these types, never the whole config.
+``TrainerBackend`` below is the whole contract between the loop (``omni_grpo.trainer``, or a
+driver that runs it over several trainer processes) and a backend: the loop uses nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 # Processed multimodal tensor names, exactly as transformers' Omni thinker forward and sglang-omni's
 # ``multimodal_train_inputs`` spell them.
@@ -31,7 +35,9 @@ class Sample:
     uid: str
     prompt: str
     label: str
-    media: list[dict[str, Any]] = field(default_factory=list)  # [{"type": "image"|"video"|"audio", "path": ...}]
+    media: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # [{"type": "image"|"video"|"audio", "path": ...}]
     choices: list[str] | None = None
     reward: str = "mcq"
     modality: str = "text"  # image | video | audio | text | mixed (for per-modality eval metrics)
@@ -79,6 +85,10 @@ class RolloutEngine(Protocol):
         self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]: ...
 
+    def close(self) -> None:
+        """Release what the engine holds (HTTP pools, event-loop threads); idempotent."""
+        ...
+
 
 @runtime_checkable
 class Reward(Protocol):
@@ -89,10 +99,108 @@ class Reward(Protocol):
     def score(self, sample: Sample, completion_text: str) -> float: ...
 
 
+# How a source holds fused MoE experts, which shapes cannot tell (the square-shape trap); the
+# layouts ``omni_extract.names.to_server_tensors`` takes:
+# * "hf_memory": a transformers module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``);
+# * "vl_hub":    the Qwen3-VL hub layout (``[E, H, 2I]`` / ``[E, I, H]``), e.g. the Megatron export.
+SourceLayout = Literal["hf_memory", "vl_hub"]
+# Weights as ``(name, tensor)`` pairs: a Mapping (a state dict: every name is checked before the
+# first byte is sent) or any iterable (a generator that gathers tensor by tensor, streamed).
+NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+
+@dataclass
+class GRPOBatch:
+    """What one optimizer step consumes: groups of completions and their advantages.
+
+    The ONE batch type of every backend: a backend turns it into its own tensors (micro-batches,
+    positions) inside ``step``. ``advantages[g, i]`` belongs to ``groups[g][i]`` and is computed by
+    the loop over the whole group before any sharding, so a shard of groups keeps its rows' values.
+    Empty completions (zero tokens) stay in their group: they count as samples in the loss
+    normaliser (``omni_grpo.algo.step.local_counts``) but carry no token to train on.
+    """
+
+    groups: list[list[Completion]]  # one list per prompt, n completions each
+    advantages: torch.Tensor  # [num_groups, n]
+    temperature: float = 1.0  # the rollout sampling temperature (logprobs are recomputed under it)
+
+
 @runtime_checkable
 class TrainerBackend(Protocol):
-    """Owns the policy (and reference) weights and applies one GRPO update per step."""
+    """Owns the policy (and reference) weights and applies one GRPO update per ``step``.
 
-    def step(self, batch: Any) -> dict[str, float]: ...
+    Registered through the ``omni_grpo.backends`` entry points (``omni_grpo.backends``); the loop
+    calls exactly these members, nothing through ``getattr``.
 
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]: ...
+    **Ranks.** A backend runs in one process (``torch.distributed`` not initialised, or a world of
+    1) or in every process of a data-parallel world (``torch.distributed`` initialised from the
+    usual ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` env before the backend is
+    built; gloo on CPU, NCCL on GPU). Then:
+
+    * one process drives (data, rollouts, rewards, advantages, logging, eval, ``sync.push``); it
+      splits the global batch with ``omni_grpo.algo.shard.shard_batch(batch, world_size)`` and
+      hands shard ``r`` to rank ``r``;
+    * EVERY rank calls ``step(shard)`` for every step, also with an empty shard (zero groups:
+      ``GRPOBatch([], torch.zeros(0, n))``) — ``step`` is collective;
+    * ``step`` all-reduces the loss normalisers (samples, response tokens) and the "any signal"
+      flag over the data-parallel world (``omni_grpo.algo.step.global_counts``), sums gradients,
+      and reduces its metrics, so the update and the returned metrics are those of the
+      single-process step on the unsharded batch (fp32: within 1e-5), identical on every rank;
+    * ``supervised_step`` is collective the same way (each rank its share of the prompts, the
+      token normaliser all-reduced);
+    * weights and optimizer state stay identical across data-parallel ranks, so a checkpoint
+      (``trainable_state`` / ``optimizer_state``) is written by rank 0 only and loaded
+      (``load_*``) on every rank.
+
+    Model-parallel backends (Megatron TP/EP) additionally export collectively: every rank of the
+    model-parallel group must drain ``weights_for_sync()``'s iterator, and only the driver pushes.
+    """
+
+    name: str
+    policy: nn.Module | None
+    """The in-process module an embedded rollout engine may sample from (shared, not copied), or
+    None when the weights live in a form no HF-style engine can run (Megatron)."""
+    device: torch.device
+    """Where the policy computes; an embedded engine runs on the same device."""
+    is_driver: bool
+    """True in the process that runs data, rollouts, rewards, logging and ``sync.push`` and
+    writes checkpoints: the only process without ``torch.distributed``, else rank 0."""
+
+    def step(self, batch: GRPOBatch) -> dict[str, float]:
+        """One optimizer step (``trainer.ppo_epochs`` updates) over ``batch``; returns the metrics
+        of ``omni_grpo.algo.step.step_metrics`` (token-weighted means, ``grad_norm``,
+        ``skipped_step``, ``no_signal_step``, ``response_tokens``, ``lr``, ``micro_batches``)."""
+        ...
+
+    def supervised_step(
+        self, prompts: list[PromptInputs], targets: list[list[int]], lr: float
+    ) -> float:
+        """One cross-entropy step on ``targets`` at learning rate ``lr`` (the format warm-up);
+        returns the mean token NLL. Backends that cannot do it raise ``NotImplementedError``."""
+        ...
+
+    def weights_for_sync(self) -> tuple[NamedTensors, SourceLayout]:
+        """The weights a remote rollout engine needs after a step, and how they are laid out.
+
+        Passed as is to ``WeightSync.push(weights, version, layout=layout)``: no copy into a
+        dict, no transpose to another layout — an iterator is streamed bucket by bucket.
+        """
+        ...
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Trainable weights on the CPU for a checkpoint (frozen parts reload from the model dir)."""
+        ...
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``trainable_state()``; raises naming the first mismatched weights."""
+        ...
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizer state (picklable) for a checkpoint."""
+        ...
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Release what the backend holds; idempotent. Leaves ``torch.distributed`` to its owner."""
+        ...

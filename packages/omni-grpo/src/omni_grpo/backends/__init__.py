@@ -1,10 +1,10 @@
 """Trainer backends, discovered through the ``omni_grpo.backends`` entry-point group.
 
 An entry point names a factory ``factory(model_cfg, trainer_cfg, algo_cfg, *, pad_token_id)``
-returning a ``TrainerBackend`` (``step(batch) -> metrics``, ``state_dict_for_sync()``, plus the
-checkpoint hooks ``trainable_state`` / ``load_trainable_state`` / ``optimizer_state`` /
-``load_optimizer_state``). ``torch`` ships here; ``megatron`` and third-party backends register the
-same way in their own ``pyproject.toml``.
+returning an ``omni_grpo.types.TrainerBackend`` — the whole contract with the loop (the step, the
+supervised warm-up step, weights for sync with their layout, checkpoint state, ``policy``,
+``device``, ``is_driver``, ``close``, and what each means over several ranks). ``torch`` ships
+here; ``megatron`` and third-party backends register the same way in their own ``pyproject.toml``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_grpo.plugins import load_plugin, plugin_names
+from omni_grpo.types import TrainerBackend
 
 BACKENDS_GROUP = "omni_grpo.backends"
 
@@ -27,7 +28,7 @@ def backend_factory(name: str) -> Any:
 
 def create_backend(
     name: str, model_cfg: Any, trainer_cfg: Any, algo_cfg: Any, *, pad_token_id: int
-) -> Any:
+) -> TrainerBackend:
     return backend_factory(name)(model_cfg, trainer_cfg, algo_cfg, pad_token_id=pad_token_id)
 
 

@@ -5,10 +5,11 @@ prompt, at most ``micro_batch_size`` each, so no prompt padding and the multimod
 those of an unbatched forward), forward prompt+completion, take the logprobs of the sampled tokens,
 compute the shared GRPO loss (``omni_grpo.algo.grpo_loss``) with global normalisers so that the
 micro-batch losses add up to the full-batch loss, backward, and after the last micro-batch clip
-the gradient norm and step AdamW — unless the norm is NaN/inf, in which case the step is skipped
-(gradients dropped, weights untouched) and reported as ``skipped_step``, or unless no group has
-any reward variance (all advantages 0, no KL/entropy term): then there is nothing to learn and
-the optimizer is not stepped (``no_signal_step``), so AdamW's momentum cannot move the policy.
+the gradient norm and step AdamW — unless ``omni_grpo.algo.step.should_step`` says not to: a
+NaN/inf norm skips the step (gradients dropped, weights untouched, ``skipped_step``), and so does a
+step where no completion carries an advantage (all 0, no KL/entropy term: ``no_signal_step``), so
+AdamW's momentum cannot move the policy. The normaliser counts, metric averaging and the
+reported ``lr`` come from ``omni_grpo.algo.step`` too, shared with the Megatron backend.
 
 Old (behaviour) logprobs are the trainer's own recompute: with ``ppo_epochs == 1`` every
 micro-batch runs before the single optimizer step, so the detached logprobs of the training
@@ -22,28 +23,26 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omni_grpo.algo import entropy_from_logits, grpo_loss, token_logprobs_from_logits
+from omni_grpo.algo.step import (
+    MetricSums,
+    StepDecision,
+    current_lr,
+    global_counts,
+    local_counts,
+    should_step,
+    step_metrics,
+)
 from omni_grpo.data.collate import repeat_mm
-from omni_grpo.types import Completion, PromptInputs
+from omni_grpo.types import Completion, GRPOBatch, NamedTensors, PromptInputs, SourceLayout
 
 if TYPE_CHECKING:
     from omni_grpo.config import AlgoConfig, TrainerConfig
-
-
-@dataclass
-class GRPOBatch:
-    """What one optimizer step consumes: groups of completions and their advantages."""
-
-    groups: list[list[Completion]]  # one list per prompt, n completions each
-    advantages: torch.Tensor  # [num_groups, n]
-    temperature: float = 1.0  # the rollout sampling temperature (logprobs are recomputed under it)
 
 
 @dataclass
@@ -107,6 +106,7 @@ class TorchBackend:
     """``TrainerBackend`` over an in-process ``OmniThinker`` (the module the embedded engine samples)."""
 
     name = "torch"
+    is_driver = True
 
     def __init__(
         self,
@@ -139,6 +139,13 @@ class TorchBackend:
             for p in self.reference.parameters():
                 p.requires_grad_(False)
         self.steps_done = 0
+        # where the step's small collectives (counts) live: gloo takes CPU tensors, NCCL the GPU's
+        self.collective_device = self.device
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The live module: the embedded engine samples from it, so no weight sync is needed."""
+        return self.model
 
     # ------------------------------------------------------------------ forward helpers
     def _autocast(self) -> Any:
@@ -174,8 +181,7 @@ class TorchBackend:
         mbs = make_micro_batches(
             batch.groups, batch.advantages, self.cfg.micro_batch_size, self.pad_token_id
         )
-        num_samples = float(sum(len(g) for g in batch.groups))
-        num_tokens = float(sum(int(mb.mask.sum()) for mb in mbs))
+        counts = global_counts(local_counts(batch), self.collective_device)
         old: list[torch.Tensor | None] = [None] * len(mbs)
         if self.cfg.ppo_epochs > 1:
             with torch.no_grad():
@@ -186,11 +192,8 @@ class TorchBackend:
                 ref = [
                     self._token_logp(self.reference, mb, batch.temperature).float() for mb in mbs
                 ]
-        sums: dict[str, float] = defaultdict(float)
-        weights: dict[str, float] = defaultdict(float)
-        skipped = 0
-        no_signal = 0
-        has_signal = bool((batch.advantages != 0).any())
+        sums = MetricSums()
+        decisions: list[StepDecision] = []
         grad_norm = 0.0
         for _epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -211,39 +214,18 @@ class TorchBackend:
                     ref_logp=ref[i],
                     rollout_logp=mb.rollout_logp.to(self.device),
                     entropy=entropy,
-                    num_samples=num_samples,
-                    num_tokens=num_tokens,
+                    num_samples=counts.num_samples,
+                    num_tokens=counts.num_tokens,
                 )
                 loss.backward()
-                tokens = float(mb.mask.sum())
-                for k, v in m.items():
-                    if k in ("loss", "pg_loss", "kl_loss", "entropy_loss"):
-                        sums[k] += v  # already globally normalised: the parts add up
-                        weights[k] = 1.0
-                    elif k != "response_tokens" and math.isfinite(v):
-                        sums[k] += v * tokens
-                        weights[k] += tokens
+                sums.add(m, float(mb.mask.sum()))
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
-            if not math.isfinite(grad_norm):
-                skipped += 1
-            elif has_signal or self.algo.kl_coef != 0 or self.algo.entropy_coef != 0:
+            decisions.append(should_step(grad_norm, counts.has_signal, self.algo))
+            if decisions[-1] == "step":
                 self.optimizer.step()
-            else:
-                # Every group has identical rewards: the policy-gradient is exactly zero, and an
-                # AdamW step would only replay stale momentum (measured: it drove a converged
-                # policy from reward 1.0 to 0.5 with no gradient to pull it back).
-                no_signal += 1
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        metrics = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
-        metrics.update(
-            grad_norm=grad_norm,
-            skipped_step=float(skipped),
-            no_signal_step=float(no_signal),
-            response_tokens=num_tokens,
-            lr=float(self.optimizer.param_groups[0]["lr"]),
-        )
-        return metrics
+        return step_metrics(sums, counts, grad_norm, decisions, current_lr(self.optimizer))
 
     def supervised_step(
         self, prompts: list[PromptInputs], targets: list[list[int]], lr: float
@@ -273,13 +255,14 @@ class TorchBackend:
         return nll_sum / max(total_tokens, 1.0)
 
     # ------------------------------------------------------------------ sync, checkpoint
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Trainable weights under the VL names (what a remote engine needs after a step)."""
-        sync = getattr(self.model, "sync_state_dict", None)
+    def weights_for_sync(self) -> tuple[NamedTensors, SourceLayout]:
+        """Trainable weights under the VL names, as transformers holds them (``hf_memory``): a
+        state dict of the live parameters (no copy), so the sync checks every name up front."""
+        sync = getattr(self.model, "sync_state_dict", None)  # OmniThinker; plain modules below
         if sync is not None:
-            return sync()
+            return sync(), "hf_memory"
         keep = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in self.model.state_dict().items() if k in keep}
+        return {k: v for k, v in self.model.state_dict().items() if k in keep}, "hf_memory"
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Trainable weights for a checkpoint (frozen parts are reloaded from the model directory)."""
@@ -311,10 +294,8 @@ class TorchBackend:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = int(state.get("steps_done", 0))
 
-
-def iter_rows(groups: list[list[Completion]]) -> Iterator[Completion]:
-    for group in groups:
-        yield from group
+    def close(self) -> None:
+        """Nothing to release: the model and optimizer go with the object."""
 
 
 def create_torch_backend(

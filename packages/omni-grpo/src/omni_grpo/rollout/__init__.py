@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_grpo.plugins import load_plugin, plugin_names
+from omni_grpo.types import RolloutEngine
 
 ENGINES_GROUP = "omni_grpo.rollout_engines"
 
@@ -27,7 +28,7 @@ def engine_class(name: str) -> Any:
     return load_plugin(ENGINES_GROUP, name, what="rollout.engine", kind="engine")
 
 
-def create_engine(cfg: Any, **context: Any) -> Any:
+def create_engine(cfg: Any, **context: Any) -> RolloutEngine:
     """Build the engine ``cfg.engine`` (``cfg`` is the ``RolloutConfig``)."""
     cls = engine_class(cfg.engine)
     build = getattr(cls, "from_rollout_config", None)

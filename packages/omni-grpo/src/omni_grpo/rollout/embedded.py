@@ -115,6 +115,9 @@ class EmbeddedEngine:
             banned_token_ids=context.get("banned_token_ids"),
         )
 
+    def close(self) -> None:
+        """Nothing to release: the engine borrows the trainer's module."""
+
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
             return torch.autocast(self.device.type, enabled=False)

@@ -20,16 +20,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from omni_extract import names as omni_names
 from omni_extract.errors import FrozenTensorError
 
-log = logging.getLogger(__name__)
+# declared with the trainer seam: a backend's ``weights_for_sync`` returns them
+from omni_grpo.types import NamedTensors, SourceLayout
 
-SourceLayout = Literal["hf_memory", "vl_hub"]
-NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):

@@ -18,17 +18,23 @@ optimizer, DDP and weight sync (towers cannot be refit on the server).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from omni_grpo.backends.megatron._mcore import mcore
-from omni_grpo.backends.megatron.config_map import MegatronModelArgs
+from omni_grpo.backends.megatron.config_map import (
+    ExpertsImpl,
+    MegatronModelArgs,
+    megatron_model_args,
+)
 from omni_grpo.backends.megatron.layers import InterleavedMRope, thinker_block_spec
 from omni_grpo.backends.megatron.names import ShardSpec, hf_shapes_check, megatron_tensor_from_hf
 
@@ -368,6 +374,69 @@ def read_vl_config(vl_dir: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{path}: extracted vl config not found (run omni-extract variant 'vl')"
         ) from exc
+
+
+# ----------------------------------------------------------------------------- process groups, the whole thinker
+def init_parallel(megatron: Any, seed: int = 0, backend: str | None = None) -> None:
+    """Initialise torch.distributed (torchrun env, or a 1-process world) and megatron's groups.
+
+    As megatron-core does it: ``torch.distributed`` from the ``RANK`` / ``WORLD_SIZE`` /
+    ``MASTER_*`` environment (a process group someone else initialised is kept), then
+    ``parallel_state.initialize_model_parallel(tp, pp, ep, etp=1)``.
+    """
+    ps = mcore().parallel_state
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=os.environ.get("MASTER_PORT", "29517"),
+            )
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=megatron.tp,
+            pipeline_model_parallel_size=megatron.pp,
+            expert_model_parallel_size=megatron.ep,
+            expert_tensor_parallel_size=1,
+        )
+    if torch.cuda.is_available():
+        mcore().model_parallel_cuda_manual_seed(seed)
+
+
+def build_thinker(
+    vl_dir: str | Path,
+    megatron: Any,
+    *,
+    audio_dir: str | Path | None = None,
+    experts_impl: ExpertsImpl = "grouped",
+    freeze_lm_head: bool = False,
+) -> MegatronThinker:
+    """The Megatron thinker for this rank, weights loaded from omni-extract's ``vl`` (+ ``audio``) output."""
+    cfg = read_vl_config(vl_dir)
+    args = megatron_model_args(
+        cfg,
+        megatron,
+        world_size=dist.get_world_size(),
+        experts_impl=experts_impl,
+        source=str(Path(vl_dir) / "config.json"),
+    )
+    lm = build_language_model(args, build_transformer_config(args))
+    load_language_model(lm, vl_dir, args, current_shard())
+    if freeze_lm_head:
+        lm.output_layer.weight.requires_grad_(False)
+    dev = next(lm.parameters()).device
+    dtype = next(lm.parameters()).dtype
+    visual = load_visual(vl_dir, dev, dtype) if "vision_config" in cfg else None
+    audio = None
+    if audio_dir is not None:
+        from omni_audio_inject import AudioInjector, FrozenAudioTower
+
+        audio = AudioInjector(FrozenAudioTower(audio_dir), int(args.token_ids["audio_token_id"]))
+    return MegatronThinker(args, lm, visual=visual, audio=audio)
 
 
 @contextmanager

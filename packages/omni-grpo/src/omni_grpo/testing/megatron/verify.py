@@ -111,8 +111,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 
 
 def parity(out: Path) -> dict[str, Any]:
-    from omni_grpo.backends.megatron.model import read_vl_config
-    from omni_grpo.backends.megatron.train import build_thinker, init_parallel
+    from omni_grpo.backends.megatron.model import build_thinker, init_parallel, read_vl_config
     from omni_grpo.config import MegatronConfig
 
     init_parallel(MegatronConfig())
@@ -152,36 +151,37 @@ def parity(out: Path) -> dict[str, Any]:
     return report
 
 
-def _grpo_batch(th: Any, cfg: dict[str, Any], n_prompts: int, group: int, seed: int) -> Any:
+def _grpo_batch(cfg: dict[str, Any], n_prompts: int, group: int, seed: int) -> Any:
+    """The loop's ``GRPOBatch``: ``n_prompts`` media prompts, ``group`` random completions each."""
     from omni_grpo.algo import group_advantages
-    from omni_grpo.backends.megatron.train import GRPOBatch
+    from omni_grpo.types import Completion, GRPOBatch, PromptInputs, Sample
 
     g = torch.Generator().manual_seed(seed)
-    ids, mm, pos = mm_batch(cfg, seed, rows=1)
-    samples, positions, starts, mms = [], [], [], []
-    for _ in range(n_prompts * group):
-        n_resp = int(torch.randint(3, 9, (1,), generator=g))
-        resp = torch.randint(0, 300, (n_resp,), generator=g)
-        full = torch.cat([ids[0], resp])
-        p = pos[:, 0]
-        rp = p.max() + 1 + torch.arange(n_resp, dtype=p.dtype)
-        samples.append(full)
-        positions.append(torch.cat([p, rp.expand(3, -1)], dim=1))
-        starts.append(ids.shape[1])
-        mms.append({k: v.clone() for k, v in mm.items()})
-    rewards = torch.rand(n_prompts * group, generator=g)
-    adv = group_advantages(rewards, group)
-    return GRPOBatch(
-        input_ids=samples, position_ids=positions, response_start=starts, advantages=adv, mm=mms
-    )
+    ids, mm, _pos = mm_batch(cfg, seed, rows=1)
+    prompt = PromptInputs(Sample("verify", "", ""), ids[0].tolist(), mm)
+    groups = []
+    for _ in range(n_prompts):
+        rows = []
+        for _ in range(group):
+            n_resp = int(torch.randint(3, 9, (1,), generator=g))
+            resp = torch.randint(0, 300, (n_resp,), generator=g).tolist()
+            rows.append(Completion(prompt, resp, [0.0] * n_resp, "stop"))
+        groups.append(rows)
+    rewards = torch.rand(n_prompts, group, generator=g)
+    return GRPOBatch(groups, group_advantages(rewards, group))
 
 
 def tp_step(out: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     from omni_grpo.backends.megatron._mcore import mcore
-    from omni_grpo.backends.megatron.model import SafetensorsDir, read_vl_config
-    from omni_grpo.backends.megatron.train import MegatronTrainer, build_thinker, init_parallel
+    from omni_grpo.backends.megatron.backend import MegatronBackend
+    from omni_grpo.backends.megatron.model import (
+        SafetensorsDir,
+        build_thinker,
+        init_parallel,
+        read_vl_config,
+    )
     from omni_grpo.config import AlgoConfig, MegatronConfig, TrainerConfig
     from omni_grpo.sync.base import ServerTensors
     from omni_grpo.sync.group import build_group, host_store
@@ -239,23 +239,14 @@ def tp_step(out: Path) -> dict[str, Any]:
         report["sync_after_load"] = push_to_receiver(group, store, exported, 0, 1 << 20, dev)
     dist.barrier()
 
-    # ---- two GRPO steps with the shared loss (omni_grpo.algo.grpo_loss)
-    trainer = MegatronTrainer(
-        th, TrainerConfig(backend="megatron", lr=1e-3, megatron=mcfg), AlgoConfig()
+    # ---- two GRPO steps through the backend's own step (the shared loss and step policy)
+    backend = MegatronBackend(
+        th, cfg, TrainerConfig(backend="megatron", lr=1e-3, megatron=mcfg), AlgoConfig()
     )
     before = {n: p.detach().clone() for n, p in th.lm.named_parameters()}
     steps = []
     for s in range(2):
-        batch = _grpo_batch(th, cfg, n_prompts=2, group=2, seed=10 + s)
-        with torch.no_grad():
-            th.lm.eval()
-            old = []
-            for i in range(len(batch.input_ids)):
-                one = trainer._micro(batch, [i])
-                lp = trainer.logprobs(one)[0]
-                old.append(lp[one["mask"][0]].cpu())
-        batch.old_logp = old
-        steps.append(trainer.step(batch))
+        steps.append(backend.step(_grpo_batch(cfg, n_prompts=2, group=2, seed=10 + s)))
     changed = sum(int(not torch.equal(before[n], p)) for n, p in th.lm.named_parameters())
     report["grpo_steps"] = steps
     report["params_changed"] = f"{changed}/{len(before)}"
