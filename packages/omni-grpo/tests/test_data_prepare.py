@@ -314,3 +314,32 @@ def test_prepare_reads_and_writes_parquet(avqa_src: Path, tmp_path: Path) -> Non
     prepare_avqa(avqa_src, from_jsonl)
     assert read_samples(out) == read_samples(from_jsonl)  # same Samples either way
     assert pq.ParquetFile(out).schema_arrow.field("media").type.value_type.names == ["type", "path"]
+
+
+def test_cli_parquet_embeds_media(tmp_path: Path) -> None:
+    from omni_grpo.data.sources import load_rows
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "a.wav").write_bytes(b"RIFF fake wav")
+    rows = [
+        {
+            "id": "a",
+            "prompt": "<audio>",
+            "label": "A",
+            "media": [{"type": "audio", "path": "m/a.wav"}],
+        },
+        {"id": "a", "prompt": "dup", "label": "A"},
+    ]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.parquet"
+    res = CliRunner().invoke(main, ["prepare-data", "parquet", str(src), str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"wrote 1 rows to {out}" in res.output and "skipped_rows_duplicate_id: 1" in res.output
+    loaded = load_rows(out)
+    (s,) = loaded.samples
+    assert s.media[0]["path"] == "m/a.wav" and loaded.fetch(s.media[0]) == b"RIFF fake wav"
+    src.write_text(json.dumps({**rows[0], "media": [{"type": "audio", "path": "../x.wav"}]}) + "\n")
+    res = CliRunner().invoke(main, ["prepare-data", "parquet", str(src), str(out)])
+    assert res.exit_code == 1 and "outside the dataset root" in res.output
+    assert "Traceback" not in res.output

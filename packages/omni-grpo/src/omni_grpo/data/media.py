@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
@@ -67,6 +68,14 @@ class MediaLimits:
     max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS  # images and video frames, before decoding
     audio_max_seconds: float | None = None  # longer audio is truncated
     video_max_seconds: float = DEFAULT_VIDEO_MAX_SECONDS  # frames are sampled from this prefix
+
+
+_BYTESIO_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-f]+>")
+
+
+def _why(err: Exception) -> str:
+    """The decoder's message, without the in-memory file's repr it quotes for embedded bytes."""
+    return f"{type(err).__name__}: {_BYTESIO_REPR.sub('the bytes', str(err))}"
 
 
 def _label(src: Source, name: str | None) -> str:
@@ -126,9 +135,7 @@ def load_image(src: Source, max_pixels: int = DEFAULT_MAX_SOURCE_PIXELS, name: s
     except Image.DecompressionBombError as err:
         raise MediaError("too_large", f"image {what}: {err}") from None
     except Exception as err:  # Pillow raises OSError, ValueError, SyntaxError, struct.error, ...
-        raise MediaError(
-            "unreadable", f"cannot decode image {what}: {type(err).__name__}: {err}"
-        ) from None
+        raise MediaError("unreadable", f"cannot decode image {what}: {_why(err)}") from None
 
 
 def resample_mono(wave: np.ndarray, rate: int, target: int = AUDIO_RATE) -> np.ndarray:
@@ -203,9 +210,7 @@ def load_audio(
     except MediaError:
         raise
     except Exception as err:  # soundfile/PyAV raise many types for corrupt files
-        raise MediaError(
-            "unreadable", f"cannot decode audio {what}: {type(err).__name__}: {err}"
-        ) from None
+        raise MediaError("unreadable", f"cannot decode audio {what}: {_why(err)}") from None
     if wave.size == 0:
         raise MediaError("empty", f"audio {what} has no samples")
     if wave.size < min_samples:
@@ -299,8 +304,6 @@ def load_video(
     except MediaError:
         raise
     except Exception as err:
-        raise MediaError(
-            "unreadable", f"cannot decode video {what}: {type(err).__name__}: {err}"
-        ) from None
+        raise MediaError("unreadable", f"cannot decode video {what}: {_why(err)}") from None
     eff_fps = fps if len(targets) < 2 else (len(targets) - 1) / float(targets[-1] - targets[0])
     return VideoClip(frames=np.stack(picked), fps=float(eff_fps))

@@ -492,3 +492,34 @@ def video_r1_command(
     except DataError as err:
         raise click.ClickException(str(err)) from None
     _report(stats, out, problems)
+
+
+@prepare_data.command("parquet")
+@click.argument("src", nargs=-1, required=True)
+@click.argument("out", type=click.Path(dir_okay=False, path_type=str))
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=str),
+    default=None,
+    help="Media root of SRC's files (default: the first source's directory).",
+)
+def parquet_command(src: tuple[str, ...], out: str, root: str | None) -> None:
+    """Our rows SRC (jsonl / parquet / glob / datasets dir) -> one parquet OUT with the media
+    files EMBEDDED as {bytes, path} in images/audios/videos (loads in `datasets` too).
+
+    Bad rows are skipped and counted as when training; a missing or escaping media file is an
+    error (the table would silently lose it)."""
+    from omni_grpo.config import default_media_root
+    from omni_grpo.data.media import MediaError
+    from omni_grpo.data.sources import load_rows
+    from omni_grpo.data.tables import write_embedded_parquet
+
+    spec = list(src)
+    try:
+        loaded = load_rows(spec)
+        n = write_embedded_parquet(loaded.samples, root or default_media_root(spec), out)
+    except (DataError, MediaError) as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"wrote {n} rows to {out}")
+    for k, v in sorted(loaded.counters().items()):
+        click.echo(f"  {k}: {v}")

@@ -64,8 +64,8 @@ class RawRecord:
     index: int  # row index within its file (0-based; the jsonl line number - 1)
     obj: dict[str, Any] | None = None
     problem: tuple[str, str] | None = None
-    # media columns of a table: column -> list of item paths (bytes stay unread until needed)
-    embedded: dict[str, list[str | None]] = field(default_factory=dict)
+    # media columns of a table: column -> per item (path, present); bytes stay unread until needed
+    embedded: dict[str, list[tuple[str | None, bool]]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------ jsonl
@@ -143,24 +143,25 @@ def _media_kind(arrow_type: Any) -> tuple[str, bool] | None:
     return None
 
 
-def _paths_from_struct_column(arr: Any, kind: str) -> list[list[str | None] | None]:
-    """Per row, the ``path`` of each item of a struct / list-of-struct column (no bytes touched)."""
+def _paths_from_struct_column(arr: Any, kind: str) -> list[list[tuple[str | None, bool]] | None]:
+    """Per row, ``(path, present)`` of each item of a struct / list-of-struct column, no bytes
+    touched (``present`` is False for a null item); None for a null cell."""
     if kind == "single":
         structs, lengths = arr, None
     else:
         structs, lengths = arr.flatten(), arr.value_lengths().to_pylist()
     idx = structs.type.get_field_index("path")
     paths = structs.flatten()[idx].to_pylist() if idx >= 0 else [None] * len(structs)
+    items = list(zip(paths, structs.is_valid().to_pylist(), strict=True))
     if lengths is None:
-        valid = arr.is_valid().to_pylist()
-        return [[p] if ok else None for p, ok in zip(paths, valid, strict=True)]
-    out: list[list[str | None] | None] = []
+        return [[it] if it[1] else None for it in items]
+    out: list[list[tuple[str | None, bool]] | None] = []
     pos = 0
     for n in lengths:
         if n is None:
             out.append(None)
             continue
-        out.append(paths[pos : pos + n])
+        out.append(items[pos : pos + n])
         pos += n
     return out
 
@@ -385,7 +386,10 @@ def normalise(rec: RawRecord, columns: dict[str, str], source_name: str) -> tupl
         items: list[tuple[Any, tuple[str, int] | None]] = []
         if f in present:
             col = present[f]
-            items = [(p, (col, k)) for k, p in enumerate(rec.embedded[col])]
+            for k, (path, ok) in enumerate(rec.embedded[col]):
+                if not ok:
+                    raise DataError(f"{rec.where}: {col}[{k}] is null", "invalid")
+                items.append((path, (col, k)))
         elif f in lists:
             for k, it in enumerate(_media_items(lists[f], f)):
                 path = it.get("path") if isinstance(it, dict) else it
