@@ -89,7 +89,7 @@ def test_greedy_equals_teacher_forced_argmax(thinker):
     result = thinker.generate(ids, mask, max_new_tokens=6, temperature=0.0, **batch)
     _, _, logits = _teacher_forced_logprobs(thinker, ids, mask, result, batch, 0.0)
     logits = logits.clone()
-    logits[..., thinker.sideband.placeholder_ids] = float("-inf")
+    logits[..., thinker.sideband.banned_ids] = float("-inf")
     assert torch.equal(logits.argmax(-1), result.tokens)
 
 
@@ -123,4 +123,4 @@ def test_placeholders_are_never_sampled(thinker):
     allowed = biased.generate(ids, max_new_tokens=5, temperature=1.0, suppress_token_ids=[])
     assert (allowed.tokens == audio).any()  # the bias works
     result = biased.generate(ids, max_new_tokens=5, temperature=1.0)
-    assert not torch.isin(result.tokens, torch.tensor(thinker.sideband.placeholder_ids)).any()
+    assert not torch.isin(result.tokens, torch.tensor(thinker.sideband.banned_ids)).any()

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from omni_grpo import cli
+from omni_grpo import cli, plugins
 
 
 @click.command("hello")
@@ -29,7 +29,7 @@ class _LoadedEP:
 
 
 def _fake_eps(monkeypatch: pytest.MonkeyPatch, extra: dict[str, object]) -> None:
-    fake: dict[str, object] = dict(cli._command_entry_points())
+    fake: dict[str, object] = dict(plugins.registered(cli.COMMANDS_GROUP))
     for name, value in extra.items():
         is_str = isinstance(value, str)
         fake[name] = (
@@ -37,13 +37,16 @@ def _fake_eps(monkeypatch: pytest.MonkeyPatch, extra: dict[str, object]) -> None
             if is_str
             else _LoadedEP(value)
         )
-    monkeypatch.setattr(cli, "_command_entry_points", lambda: fake)
+    real = plugins.registered
+    monkeypatch.setattr(
+        cli, "registered", lambda group: fake if group == cli.COMMANDS_GROUP else real(group)
+    )
 
 
 def test_help_lists_entry_point_commands() -> None:
     res = CliRunner().invoke(cli.main, ["--help"])
     assert res.exit_code == 0, res.output
-    for name in cli._command_entry_points():
+    for name in plugins.registered(cli.COMMANDS_GROUP):
         assert name in res.output
     assert "show-config" in res.output and "prepare-data" in res.output
 

@@ -42,10 +42,16 @@ REAL_VL = {
     "video_token_id": 151656,
     "vision_start_token_id": 151652,
     "vision_end_token_id": 151653,
-    "omni_sideband": {
+    "omni_sideband": {  # the released thinker's sideband, as omni-extract writes it
         "audio_token_id": 151675,
         "audio_start_token_id": 151669,
+        "audio_end_token_id": 151670,
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
         "position_id_per_seconds": 13,
+        "audio_config": {"n_window": 50},
     },
     "tie_word_embeddings": False,
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omni_grpo import plugins
 from omni_grpo import rewards as reg
 from omni_grpo.rewards import available_rewards, get_reward, reward_name, score_sample
 from omni_grpo.rewards.answer_tag import AnswerTagReward
@@ -137,7 +138,7 @@ def test_registry_loads_builtins_by_name() -> None:
     assert get_reward("math") is get_reward("math")
     s = Sample(uid="1", prompt="", label="C", choices=CHOICES4, reward="mcq")
     assert score_sample(s, "Answer: C") == 1.0
-    with pytest.raises(KeyError, match="unknown reward 'nope'.*mcq"):
+    with pytest.raises(KeyError, match="no reward named 'nope'.*mcq"):
         get_reward("nope")
 
 
@@ -161,7 +162,7 @@ def test_registry_third_party_function_and_broken(monkeypatch: pytest.MonkeyPatc
         _EP("bad", 42),
     ]
     monkeypatch.setattr(
-        reg, "entry_points", lambda group: fake if group == reg.REWARDS_GROUP else []
+        plugins, "entry_points", lambda group: fake if group == reg.REWARDS_GROUP else []
     )
     reg.get_reward.cache_clear()
     try:

@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import click
 
+from omni_grpo.plugins import PluginLoadError, load_entry_point, registered
+
 COMMANDS_GROUP = "omni_grpo.commands"
 
 
-def _command_entry_points() -> dict[str, EntryPoint]:
-    eps: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=COMMANDS_GROUP):
-        eps.setdefault(ep.name, ep)  # first wins; duplicates across packages are ignored
-    return eps
-
-
-def _broken_command(name: str, ep: EntryPoint, err: BaseException) -> click.Command:
-    msg = f"command '{name}' ({ep.value}) failed to load: {type(err).__name__}: {err}"
+def _broken_command(name: str, err: BaseException) -> click.Command:
+    msg = str(err)
 
     @click.command(
         name=name, help=f"[broken plugin] {msg}", context_settings={"ignore_unknown_options": True}
@@ -40,25 +34,37 @@ def _broken_command(name: str, ep: EntryPoint, err: BaseException) -> click.Comm
 
 
 class EntryPointGroup(click.Group):
-    """A click group that resolves subcommands from ``omni_grpo.commands`` on demand."""
+    """A click group whose subcommands are also resolved, on demand, from an entry-point group.
+
+    ``entry_point_group`` names the group (``omni_grpo.commands`` for ``omni-grpo`` itself,
+    ``omni_grpo.preparers`` for ``prepare-data``) and ``kind`` the noun in error messages. A plugin
+    that fails to load, or is not a click command, shows up as a broken command with its error.
+    """
+
+    entry_point_group = COMMANDS_GROUP
+    kind = "command"
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(_command_entry_points()))
+        return sorted(set(super().list_commands(ctx)) | set(registered(self.entry_point_group)))
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         builtin = super().get_command(ctx, cmd_name)
         if builtin is not None:
             return builtin
-        ep = _command_entry_points().get(cmd_name)
+        ep = registered(self.entry_point_group).get(cmd_name)
         if ep is None:
             return None
         try:
-            obj = ep.load()
-        except Exception as err:  # a broken plugin must not take the whole CLI down
-            return _broken_command(cmd_name, ep, err)
+            obj = load_entry_point(ep, kind=self.kind)
+        except PluginLoadError as err:  # a broken plugin must not take the whole CLI down
+            return _broken_command(cmd_name, err)
         if not isinstance(obj, click.Command):
             return _broken_command(
-                cmd_name, ep, TypeError(f"{ep.value} is {type(obj).__name__}, not a click command")
+                cmd_name,
+                TypeError(
+                    f"{self.kind} {cmd_name!r} ({ep.value}) is {type(obj).__name__}, "
+                    "not a click command"
+                ),
             )
         if obj.name != cmd_name:
             obj = _renamed(obj, cmd_name)

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from omni_extract.tokens import MEDIA_TOKEN_ID_FIELDS
 
 from omni_grpo.algo import group_advantages
 from omni_grpo.backends import create_backend
@@ -102,17 +101,10 @@ def prepare_data(data: DataConfig, run_dir: Path) -> DataConfig:
     return data.model_copy(update={"train": train, "eval": evaluation, "root": train.parent})
 
 
-# Media marker tokens a completion must never contain: a sampled <|vision_end|> or <|audio_pad|>
-# would make the recompute look for media segments that do not exist.
-MEDIA_TOKEN_FIELDS: tuple[str, ...] = MEDIA_TOKEN_ID_FIELDS
-
-
 def media_token_ids(model: Any) -> list[int]:
-    """The media marker ids of the policy (from the extracted model's omni sideband), if known."""
+    """The ids a completion must never contain (``models.sideband.BANNED_ID_FIELDS``), if known."""
     sideband = getattr(model, "sideband", None)
-    if sideband is None:
-        return []
-    return sorted({int(sideband.raw[f]) for f in MEDIA_TOKEN_FIELDS if f in sideband.raw})
+    return [] if sideband is None else sideband.banned_ids
 
 
 def end_of_turn_ids(model_dir: Path, tokenizer: Any) -> list[int]:

@@ -15,18 +15,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-# Processed multimodal tensor names, exactly as transformers' Omni thinker forward and sglang-omni's
-# ``multimodal_train_inputs`` spell them.
-MM_TENSOR_KEYS: tuple[str, ...] = (
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_values_videos",
-    "video_grid_thw",
-    "video_second_per_grid",
-    "input_features",
-    "feature_attention_mask",
-)
-
 
 @dataclass
 class Sample:
@@ -204,3 +192,15 @@ class TrainerBackend(Protocol):
     def close(self) -> None:
         """Release what the backend holds; idempotent. Leaves ``torch.distributed`` to its owner."""
         ...
+
+
+def __getattr__(name: str) -> Any:
+    # ``MM_TENSOR_KEYS``: the processed multimodal tensor names, exactly as transformers' Omni
+    # thinker forward and sglang-omni's ``multimodal_train_inputs`` spell them. One list, owned by
+    # omni-rollout-client (the wire contract); re-exported lazily so importing the types does not
+    # import the HTTP client.
+    if name == "MM_TENSOR_KEYS":
+        from omni_rollout_client.payload import MM_TENSOR_NAMES
+
+        return MM_TENSOR_NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

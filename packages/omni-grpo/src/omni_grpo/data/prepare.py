@@ -22,12 +22,12 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import click
 
+from omni_grpo.cli import EntryPointGroup
 from omni_grpo.data.schema import DataError, DatasetRow, parse_row, write_rows
 
 log = logging.getLogger(__name__)
@@ -380,25 +380,11 @@ def prepare_video_r1(
 
 
 # ------------------------------------------------------------------------------------------- CLI
-class _PreparerGroup(click.Group):
+class PreparerGroup(EntryPointGroup):
     """Built-in preparers plus any registered under ``omni_grpo.preparers``."""
 
-    def _plugins(self) -> dict[str, Any]:
-        return {ep.name: ep for ep in entry_points(group=PREPARERS_GROUP)}
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(self._plugins()))
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        cmd = super().get_command(ctx, name)
-        if cmd is None and (ep := self._plugins().get(name)) is not None:
-            try:
-                cmd = ep.load()
-            except Exception as err:
-                raise click.ClickException(
-                    f"preparer {name!r} ({ep.value}) failed to load: {err}"
-                ) from err
-        return cmd
+    entry_point_group = PREPARERS_GROUP
+    kind = "preparer"
 
 
 def _report(stats: dict[str, int], out: str, problems: dict[str, str]) -> None:
@@ -409,7 +395,7 @@ def _report(stats: dict[str, int], out: str, problems: dict[str, str]) -> None:
             click.echo(f"  {k}: {v}" + (f" (first: {first})" if first else ""))
 
 
-@click.group("prepare-data", cls=_PreparerGroup)
+@click.group("prepare-data", cls=PreparerGroup)
 def prepare_data() -> None:
     """Convert public datasets into omni-grpo jsonl rows."""
 

@@ -35,6 +35,7 @@ from omni_grpo.data.vision import (
     process_image,
     tokens_for_grid,
 )
+from omni_grpo.models.sideband import parse_sideband
 from omni_grpo.types import PromptInputs, Sample
 
 if TYPE_CHECKING:
@@ -54,10 +55,12 @@ PAD_ID_FIELDS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class ModelTokens:
+    """The placeholder ids and audio window of the model the prompts are built for."""
+
     image_token_id: int
     video_token_id: int
     audio_token_id: int
-    audio_n_window: int = 50
+    audio_n_window: int
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelTokens:
@@ -68,15 +71,20 @@ class ModelTokens:
             )
         cfg = json.loads(path.read_text())
         if "omni_sideband" in cfg:  # omni-extract vl/ (or text/) output
-            src, where = {**cfg, **cfg["omni_sideband"]}, "config.json (top level + omni_sideband)"
-        elif "thinker_config" in cfg:  # the Omni hub layout
-            src, where = cfg["thinker_config"], "config.json thinker_config"
-        else:
-            src, where = cfg, "config.json"
+            side = parse_sideband(cfg, path)
+            return cls(
+                **{f: side.id(f) for f in PAD_ID_FIELDS.values()},
+                audio_n_window=side.audio_n_window,
+            )
+        # The Omni hub layout keeps the same fields in its thinker config.
+        src = cfg.get("thinker_config", cfg)
+        where = "config.json thinker_config" if "thinker_config" in cfg else "config.json"
         missing = [f for f in PAD_ID_FIELDS.values() if f not in src]
+        n_window = (src.get("audio_config") or {}).get("n_window")
+        if n_window is None:
+            missing.append("audio_config.n_window")
         if missing:
             raise ValueError(f"{path}: {where} lacks {missing}")
-        n_window = (src.get("audio_config") or {}).get("n_window", 50)
         return cls(**{f: int(src[f]) for f in PAD_ID_FIELDS.values()}, audio_n_window=int(n_window))
 
 

@@ -11,7 +11,18 @@
   processor) for tests and benchmarks.
 """
 
-from omni_grpo.models.loader import load_thinker
-from omni_grpo.models.thinker import OmniThinker
+from __future__ import annotations
 
-__all__ = ["OmniThinker", "load_thinker"]
+import importlib
+from typing import Any
+
+# Lazy, so that reading a checkpoint's sideband (``models.sideband``, used by ``data``) does not
+# import transformers and the HF model classes.
+_EXPORTS = {"OmniThinker": "omni_grpo.models.thinker", "load_thinker": "omni_grpo.models.loader"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'omni_grpo.models' has no attribute {name!r}")

@@ -114,7 +114,8 @@ def generate(
 
     A row stops after emitting a ``stop_token_ids`` token (kept, with its logprob). Rows that have
     stopped keep being fed ``pad_token_id`` (masked out) until all stop. ``suppress_token_ids``
-    defaults to the thinker's placeholder/start-marker ids; pass ``[]`` to allow everything.
+    defaults to the thinker's media marker ids (``sideband.BANNED_ID_FIELDS``); pass ``[]`` to
+    allow everything.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -123,7 +124,7 @@ def generate(
         attention_mask = torch.ones_like(input_ids)
     input_ids, attention_mask = to_left_padding(input_ids.to(device), attention_mask.to(device))
     if suppress_token_ids is None:
-        suppress_token_ids = thinker.sideband.placeholder_ids
+        suppress_token_ids = thinker.sideband.banned_ids
     suppress = torch.tensor(sorted(set(suppress_token_ids)), dtype=torch.long, device=device)
     stop = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long, device=device)
     batch = input_ids.shape[0]

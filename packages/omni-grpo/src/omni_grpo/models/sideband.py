@@ -1,7 +1,10 @@
 """The Omni facts a pseudo-Qwen3-VL checkpoint carries in ``config.json['omni_sideband']``.
 
-Qwen3-VL's config has no field for the audio ids or Omni's time scaling; omni-extract writes them
-to the sideband and this module reads them back, naming the file and field when one is missing.
+Qwen3-VL's config has no field for the audio ids, the audio tower's window or Omni's time scaling;
+omni-extract writes them to the sideband and this module is the one place in omni-grpo that reads
+them back (the thinker, the prompt builder's token ids, the Megatron config translation and the
+verification rig all go through :func:`parse_sideband`), naming the file and field when one is
+missing. omni-rope reads the same block on its own side of the leaf boundary.
 """
 
 from __future__ import annotations
@@ -15,23 +18,20 @@ from omni_extract.tokens import MEDIA_TOKEN_ID_FIELDS
 
 # Token ids the thinker needs, each a required sideband field.
 REQUIRED_IDS: tuple[str, ...] = MEDIA_TOKEN_ID_FIELDS
-# Ids that must never be sampled into a completion: a teacher-forced forward over the completion
-# would look for media features (or a media segment after a start marker) that do not exist.
-PLACEHOLDER_ID_FIELDS: tuple[str, ...] = (
-    "audio_token_id",
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "audio_start_token_id",
-)
+# Ids a completion must never contain, for every engine and for ``generate``: a sampled media
+# marker (``<|audio_pad|>``, ``<|vision_start|>``, ``<|vision_end|>``, ...) would make the
+# teacher-forced recompute look for media features or a media segment that do not exist. All
+# seven markers, not only the pads and start markers: an end marker has no place in text either.
+BANNED_ID_FIELDS: tuple[str, ...] = MEDIA_TOKEN_ID_FIELDS
 
 
 @dataclass(frozen=True)
 class OmniSideband:
-    """Parsed ``omni_sideband`` block (plus the whole dict, for omni-rope)."""
+    """Parsed ``omni_sideband`` block (plus the whole dict, for omni-rope and saving)."""
 
     raw: dict[str, Any]
     position_id_per_seconds: float
+    audio_n_window: int  # audio_config.n_window: mel frames per half chunk of the audio tower
 
     def id(self, name: str) -> int:
         return int(self.raw[name])
@@ -41,8 +41,29 @@ class OmniSideband:
         return self.id("audio_token_id")
 
     @property
-    def placeholder_ids(self) -> list[int]:
-        return sorted({self.id(f) for f in PLACEHOLDER_ID_FIELDS})
+    def banned_ids(self) -> list[int]:
+        return sorted({self.id(f) for f in BANNED_ID_FIELDS})
+
+
+def parse_sideband(config: dict[str, Any], where: str | Path = "config.json") -> OmniSideband:
+    """The validated sideband of a loaded VL ``config.json`` dict (``where`` names it in errors)."""
+    side = config.get("omni_sideband")
+    if not isinstance(side, dict):
+        raise ValueError(
+            f"{where}: no 'omni_sideband' block; this is not an omni-extract 'vl' output "
+            f"(model_type {config.get('model_type')!r})"
+        )
+    missing = [k for k in (*REQUIRED_IDS, "position_id_per_seconds") if side.get(k) is None]
+    n_window = (side.get("audio_config") or {}).get("n_window")
+    if n_window is None:
+        missing.append("audio_config.n_window")
+    if missing:
+        raise ValueError(f"{where}: omni_sideband lacks {missing}")
+    return OmniSideband(
+        raw=side,
+        position_id_per_seconds=float(side["position_id_per_seconds"]),
+        audio_n_window=int(n_window),
+    )
 
 
 def read_sideband(extracted_dir: str | Path) -> OmniSideband:
@@ -50,14 +71,4 @@ def read_sideband(extracted_dir: str | Path) -> OmniSideband:
     path = Path(extracted_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: expected omni-extract's 'vl' output directory")
-    cfg = json.loads(path.read_text())
-    side = cfg.get("omni_sideband")
-    if not isinstance(side, dict):
-        raise ValueError(
-            f"{path}: no 'omni_sideband' block; this is not an omni-extract 'vl' output "
-            f"(model_type {cfg.get('model_type')!r})"
-        )
-    missing = [k for k in (*REQUIRED_IDS, "position_id_per_seconds") if side.get(k) is None]
-    if missing:
-        raise ValueError(f"{path}: omni_sideband lacks {missing}")
-    return OmniSideband(raw=side, position_id_per_seconds=float(side["position_id_per_seconds"]))
+    return parse_sideband(json.loads(path.read_text()), path)

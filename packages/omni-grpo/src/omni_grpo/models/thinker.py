@@ -129,8 +129,7 @@ class OmniThinker(nn.Module):
 
     def audio_token_counts(self, feature_attention_mask: torch.Tensor) -> torch.Tensor:
         """Placeholders each audio needs (for expanding ``<|audio_pad|>`` by hand)."""
-        n_window = int(self.sideband.raw.get("audio_config", {}).get("n_window", 50))
-        return audio_output_lengths(feature_attention_mask.sum(-1), n_window)
+        return audio_output_lengths(feature_attention_mask.sum(-1), self.sideband.audio_n_window)
 
     def _check_audio_counts(
         self,
@@ -151,8 +150,7 @@ class OmniThinker(nn.Module):
                 frames = torch.full((input_features.shape[0],), input_features.shape[-1])
             else:
                 frames = feature_attention_mask.sum(-1)
-            n_window = int(self.sideband.raw.get("audio_config", {}).get("n_window", 50))
-            expected = int(audio_output_lengths(frames, n_window).sum())
+            expected = int(audio_output_lengths(frames, self.sideband.audio_n_window).sum())
         if placeholders != expected:
             raise PlaceholderCountError(
                 placeholders,

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from omni_grpo.plugins import load_plugin, plugin_names
 from omni_grpo.types import Reward, Sample
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class _FunctionReward:
 
 
 def available_rewards() -> list[str]:
-    return sorted({ep.name for ep in entry_points(group=REWARDS_GROUP)})
+    return plugin_names(REWARDS_GROUP)
 
 
 def _as_reward(name: str, obj: Any) -> Reward:
@@ -50,19 +50,12 @@ def _as_reward(name: str, obj: Any) -> Reward:
 
 @cache
 def get_reward(name: str) -> Reward:
-    """The reward registered under ``name`` (one shared instance per name)."""
-    eps = [ep for ep in entry_points(group=REWARDS_GROUP) if ep.name == name]
-    if not eps:
-        raise KeyError(
-            f"unknown reward {name!r}; registered in {REWARDS_GROUP!r}: {available_rewards()}"
-        )
-    try:
-        obj = eps[0].load()
-    except Exception as err:
-        raise RuntimeError(
-            f"reward {name!r} ({eps[0].value}) failed to load: {type(err).__name__}: {err}"
-        ) from err
-    return _as_reward(name, obj)
+    """The reward registered under ``name`` (one shared instance per name).
+
+    An unknown name raises ``UnknownPluginError`` (a ``KeyError``), a broken plugin
+    ``PluginLoadError`` (a ``RuntimeError``); both name the reward.
+    """
+    return _as_reward(name, load_plugin(REWARDS_GROUP, name, what="reward", kind="reward"))
 
 
 def reward_name(sample: Sample, cfg: RewardsConfig | None = None) -> str:

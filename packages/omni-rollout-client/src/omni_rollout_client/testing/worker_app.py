@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ..payload import MM_TENSOR_NAMES
 from . import contract as C
 from .faults import Faults
 from .generator import FakeRequest, Generator, make_hash_generator
@@ -43,18 +44,7 @@ TEXT_ONLY_STAGES = (
 )
 SPEECH_STAGES = (*TEXT_ONLY_STAGES, "talker_ar", "code2wav")
 AR_STAGES = frozenset({"thinker", "talker_ar"})
-MM_NAMES = frozenset(
-    {
-        "pixel_values",
-        "image_grid_thw",
-        "pixel_values_videos",
-        "video_grid_thw",
-        "video_second_per_grid",
-        "input_features",
-        "feature_attention_mask",
-        "audio_feature_lengths",
-    }
-)
+MM_NAMES = frozenset(MM_TENSOR_NAMES)
 META_PAYLOAD = {
     "image_grid_thw": "image",
     "video_grid_thw": "image",

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from omni_grpo.models.sideband import parse_sideband
+
 ExpertsImpl = Literal["grouped", "sequential"]
 
 
@@ -224,10 +226,11 @@ def megatron_model_args(
         **_RECOMPUTE[megatron.recompute],
     }
     token_ids = {k: int(config[k]) for k in _TOKEN_KEYS if k in config}
-    side = config.get("omni_sideband") or {}
-    for k in ("audio_token_id", "position_id_per_seconds", "audio_start_token_id"):
-        if k in side:
-            token_ids[k] = side[k]
+    if "omni_sideband" in config:  # a bare text config has none (and no audio)
+        side = parse_sideband(config, source)
+        token_ids["audio_token_id"] = side.audio_token_id
+        token_ids["audio_start_token_id"] = side.id("audio_start_token_id")
+        token_ids["position_id_per_seconds"] = side.raw["position_id_per_seconds"]
     deepstack = len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
     return MegatronModelArgs(
         transformer=transformer,

@@ -40,17 +40,21 @@ def mm_batch(
     """Two rows of text + image (1x4x4) + video (2x4x4) + audio (300 mel frames); positions from omni-rope."""
     from omni_rope import OmniRopeConfig, get_rope_index
 
-    side = cfg["omni_sideband"]
-    vs, ve, img, vid = (
-        cfg[k]
+    from omni_grpo.models.sideband import parse_sideband
+
+    side = parse_sideband(cfg)
+    vs, ve, img, vid, as_, ae, aud = (
+        side.id(k)
         for k in (
             "vision_start_token_id",
             "vision_end_token_id",
             "image_token_id",
             "video_token_id",
+            "audio_start_token_id",
+            "audio_end_token_id",
+            "audio_token_id",
         )
     )
-    as_, ae, aud = side["audio_start_token_id"], side["audio_end_token_id"], side["audio_token_id"]
     row = [5, 6, vs, *[img] * 4, ve, vs, *[vid] * 8, ve, as_, *[aud] * 39, ae, 7]
     ids = torch.tensor([row] * rows)
     g = torch.Generator().manual_seed(seed)
