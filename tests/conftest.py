@@ -70,7 +70,6 @@ def train_against_fake_server(tmp_path: Path) -> Callable[..., FakeServerRun]:
                 [
                     f"run.dir={run_dir}",
                     "run.steps=2",
-                    "run.eval_every=0",
                     "eval.every=0",
                     "run.save_every=0",
                     "run.tensorboard=false",

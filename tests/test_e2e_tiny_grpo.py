@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_train_cli_improves_reward(tmp_path: Path) -> None:
     cfg = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
-    cfg["run"].update(dir=str(tmp_path / "run"), steps=100, eval_every=50, save_every=50)
+    cfg["run"].update(dir=str(tmp_path / "run"), steps=100, save_every=50)
     cfg["eval"]["every"] = 50
     cfg["data"]["synthetic"].update(tasks=["image"], n_train=32, n_eval=16)
     cfg["rollout"]["prompts_per_step"] = 6
@@ -45,5 +45,21 @@ def test_train_cli_improves_reward(tmp_path: Path) -> None:
     assert (run / "checkpoints" / "latest").is_file()
     assert any((run / "tensorboard").iterdir())
     assert (run / "plots" / "reward.png").is_file() and (run / "plots" / "accuracy.png").is_file()
+    assert (run / "plots" / "health.png").is_file()
+    assert {"entropy/image", "zero_variance_frac/image", "no_signal_steps/image"} <= set(
+        records[-1]
+    )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 100
+
+    # The trained policy reads the image: with mid-grey images every row has the same prompt, so
+    # it falls to chance; blanking a modality the task does not have changes nothing.
+    result = CliRunner().invoke(
+        main,
+        ["eval", "--config", str(tmp_path / "tiny.yaml"), "--ablate", "image", "--ablate", "audio"],
+    )
+    assert result.exit_code == 0, result.output
+    scores = json.loads(result.stdout.strip().splitlines()[-1])
+    assert scores["eval/accuracy/image"] == end
+    assert abs(scores["eval/ablated/image/accuracy/image"] - 0.5) <= 0.1, scores
+    assert scores["eval/ablated/audio/accuracy/image"] == scores["eval/accuracy/image"]

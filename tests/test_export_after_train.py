@@ -49,7 +49,6 @@ def test_train_then_export_loads_as_qwen3_omni(tmp_path: Path) -> None:
         f"run.dir={run_dir}",
         "run.steps=2",
         "run.seed=3",
-        "run.eval_every=0",
         "eval.every=0",
         "run.tensorboard=false",
         "run.plots=false",

@@ -181,3 +181,88 @@ def test_engines_and_backends_are_entry_point_names(override, field, known):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert field in str(err.value) and known in str(err.value)
+
+
+# ------------------------------------------------------------------ formerly dead fields (issue 16)
+@pytest.mark.parametrize(
+    ("yaml_text", "override", "pointer"),
+    [
+        (
+            "run:\n  eval_every: 5\n",
+            "run.eval_every=5",
+            "eval.every is the one evaluation interval",
+        ),
+        ("trainer:\n  grad_accum: 4\n", "trainer.grad_accum=4", "trainer.micro_batch_size"),
+        (
+            "eval:\n  per_modality: false\n",
+            "eval.per_modality=false",
+            "always reported per modality",
+        ),
+    ],
+)
+def test_removed_fields_are_refused_with_a_pointer(
+    tmp_path: Path, yaml_text: str, override: str, pointer: str
+) -> None:
+    p = _write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError, match="was removed") as ei:
+        load_config(p)
+    assert pointer in str(ei.value) and str(p) in str(ei.value)
+    assert "\n" not in str(ei.value)
+    with pytest.raises(ConfigError, match="was removed") as ei:
+        load_config(None, [override])
+    assert pointer in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (
+            ["model.freeze_visual=false"],
+            "model.freeze_visual: false is not supported by the megatron",
+        ),
+        (
+            ["model.dtype=float32"],
+            "model.dtype float32 disagrees with trainer.megatron.precision bf16",
+        ),
+        (["trainer.micro_batch_size=4"], "trainer.micro_batch_size 4 is not used by the megatron"),
+        (["trainer.warmup={steps: 2}"], "trainer.warmup"),
+    ],
+)
+def test_megatron_refuses_what_it_would_ignore(overrides: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, ["trainer.backend=megatron", *overrides])
+    load_config(None, ["trainer.backend=torch", *overrides])  # the torch backend honours them
+
+
+def test_megatron_accepts_what_it_honours() -> None:
+    cfg = load_config(
+        None,
+        [
+            "trainer.backend=megatron",
+            "model.dtype=float32",
+            "trainer.megatron.precision=fp32",
+            "model.freeze_visual=true",
+            "trainer.micro_batch_size=1",
+        ],
+    )
+    assert cfg.model.dtype == "float32"
+    assert load_config(None, ["trainer.backend=megatron", "model.dtype=bfloat16"]).model.dtype
+
+
+def test_tiny_model_and_data_seeds_follow_run_seed() -> None:
+    cfg = load_config(
+        None, ["run.seed=3", "model.make_tiny={vocab: small}", "data.synthetic={n_train: 2}"]
+    )
+    assert cfg.model.make_tiny is not None and cfg.model.make_tiny.seed == 3
+    assert cfg.data.synthetic is not None and cfg.data.synthetic.seed == 3
+    pinned = load_config(
+        None,
+        ["run.seed=3", "model.make_tiny={vocab: small, seed: 1}", "data.synthetic={seed: 2}"],
+    )
+    assert pinned.model.make_tiny.seed == 1 and pinned.data.synthetic.seed == 2
+
+
+def test_eval_ablations_are_modality_names() -> None:
+    assert load_config(None, ["eval.ablations=[audio, all]"]).eval.ablations == ["audio", "all"]
+    with pytest.raises(ConfigError, match="eval.ablations.0"):
+        load_config(None, ["eval.ablations=[text]"])

@@ -287,3 +287,61 @@ def test_every_media_failure_is_a_counted_skip(
     }
     lines = [r for r in caplog.records if "skipping row" in r.getMessage()]
     assert len(lines) == 3 and all("\n" not in r.getMessage() for r in lines)
+
+
+@pytest.mark.parametrize("name", ["audio", "image", "video", "all"])
+def test_ablation_blanks_only_its_modality_and_keeps_every_shape(
+    builder: PromptBuilder, media_root: Path, name: str
+) -> None:
+    """An ablated prompt has the same tokens and tensor shapes; only the ablated media's content
+    is gone (mid-grey pixels, silent audio), the rest is bit-identical."""
+    from omni_grpo.data.ablation import ABLATIONS
+
+    s = Sample(
+        uid="m1",
+        prompt="<audio>Listen. <image> then <video>\nWhich?",
+        label="A",
+        media=[
+            {"type": "audio", "path": "tone.wav"},
+            {"type": "image", "path": "img.png"},
+            {"type": "video", "path": "clip.mp4"},
+        ],
+    )
+    plain = builder.build(s, media_root)
+    ablated = builder.ablated(name).build(s, media_root)
+    assert ablated.input_ids == plain.input_ids
+    assert {k: v.shape for k, v in ablated.mm.items()} == {k: v.shape for k, v in plain.mm.items()}
+    grey = builder.ablated("image").build(
+        Sample(uid="g", prompt="<image>", label="A", media=[{"type": "image", "path": "img.png"}]),
+        media_root,
+    )
+    tensor_of = {
+        "image": "pixel_values",
+        "video": "pixel_values_videos",
+        "audio": "input_features",
+    }
+    for media_type, key in tensor_of.items():
+        same = torch.equal(ablated.mm[key], plain.mm[key])
+        assert same is (media_type not in ABLATIONS[name]), (media_type, key)
+        if media_type in ABLATIONS[name]:
+            x = ablated.mm[key]
+            assert float(x.max() - x.min()) < 1e-6, key  # constant: no content left
+    # mid-grey is the same constant for images and video frames
+    if "video" in ABLATIONS[name]:
+        v = float(ablated.mm["pixel_values_videos"][0, 0])
+        assert v == pytest.approx(float(grey.mm["pixel_values"][0, 0]), abs=1e-6)
+    assert builder.ablate == frozenset()  # the original builder is unchanged
+
+
+def test_unknown_ablation_is_named(builder: PromptBuilder) -> None:
+    with pytest.raises(ValueError, match="unknown ablation 'text'"):
+        builder.ablated("text")
+
+
+def test_ablation_names_match_the_config() -> None:
+    import typing
+
+    from omni_grpo.config import AblationName
+    from omni_grpo.data.ablation import ABLATIONS
+
+    assert set(typing.get_args(AblationName)) == set(ABLATIONS)

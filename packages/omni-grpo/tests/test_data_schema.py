@@ -45,7 +45,9 @@ def test_good_rows_and_defaults(tmp_path: Path) -> None:
     s = read_samples(p)
     assert [x.uid for x in s] == ["a", "7", "t"]
     assert [x.modality for x in s] == ["image", "mixed", "text"]
-    assert s[0].media == [{"type": "image", "path": "x.png"}] and s[0].reward == "mcq"
+    assert s[0].media == [{"type": "image", "path": "x.png"}]
+    # rows that name no reward leave it to rewards.by_modality / rewards.default
+    assert [x.reward for x in s] == [None, None, "math"]
 
 
 @pytest.mark.parametrize(

@@ -219,3 +219,22 @@ def test_math_fraction_forms_agree(p: int, q: int) -> None:
     if v.denominator in (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64):  # terminating decimals
         assert math_equal(frac, str(float(v)))
     assert not math_equal(frac, f"{p + q}/{q}")
+
+
+def test_rows_without_a_reward_follow_the_config() -> None:
+    """A dataset row that names no reward is scored by rewards.by_modality / rewards.default
+    (rows used to default to "mcq", so the config never applied)."""
+    from omni_grpo.config import RewardsConfig
+    from omni_grpo.data.schema import parse_row
+
+    row = {"id": "v1", "prompt": "<video>\nhow many?", "label": "1/2"}
+    row["media"] = [{"type": "video", "path": "a.mp4"}]
+    sample = parse_row(row, "rows.jsonl:1").to_sample()
+    assert sample.reward is None
+    cfg = RewardsConfig(default="answer_tag", by_modality={"video": "math"})
+    assert reward_name(sample, cfg) == "math"
+    assert score_sample(sample, "\\boxed{0.5}", cfg) == 1.0
+    assert reward_name(sample, RewardsConfig(default="answer_tag")) == "answer_tag"
+    assert reward_name(sample) == "mcq"  # no config: the built-in default
+    named = parse_row({**row, "reward": "answer_tag"}, "rows.jsonl:2").to_sample()
+    assert reward_name(named, cfg) == "answer_tag"  # a row's own reward still wins

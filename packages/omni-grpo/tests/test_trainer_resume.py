@@ -19,7 +19,6 @@ def _cfg(run_dir: Path, model_dir: Path, steps: int) -> object:
             f"run.dir={run_dir}",
             f"run.steps={steps}",
             "run.seed=7",
-            "run.eval_every=2",
             "run.save_every=0",
             "run.tensorboard=false",
             "run.plots=false",
@@ -36,6 +35,8 @@ def _cfg(run_dir: Path, model_dir: Path, steps: int) -> object:
             "trainer.lr=1e-3",
             "trainer.warmup={steps: 1, lr: 1e-3}",
             "eval.every=2",
+            "eval.ablations=[video]",
+            "run.collapse_warn_steps=1",
         ],
     )
 
@@ -50,6 +51,9 @@ def test_resume_after_stop_gives_identical_metrics(tmp_path: Path) -> None:
     train(_cfg(straight, model_dir, 5), progress=False)
     full = _deterministic(read_metrics(straight))
     assert [r["step"] for r in full] == [0, 1, 2, 3, 4, 5]
+    # the ablated evaluation runs with the plain one; the collapse watch count is logged
+    assert {"eval/ablated/video/accuracy/video", "eval/ablated/video/accuracy/all"} <= set(full[2])
+    assert any(k.startswith("no_signal_steps/") for k in full[3])
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "data", resumed / "data")  # same dataset, no regeneration cost
@@ -65,6 +69,7 @@ def test_resume_after_stop_gives_identical_metrics(tmp_path: Path) -> None:
     again = _deterministic(read_metrics(resumed))
     assert [r["step"] for r in again] == [0, 1, 2, 3, 4, 5]
     assert again == full  # every line, including the ones after the resume point, bit for bit
+    # (no_signal_steps/* too: the watch rebuilt its counts from metrics.jsonl)
 
 
 def test_epoch_sampler_cursor_reproduces_the_stream() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from omni_grpo.cli import config_options
+from omni_grpo.data.ablation import ABLATIONS
 
 
 @click.command("train")
@@ -75,10 +76,20 @@ def plan_text(cfg: Any, gpus: int | None = None) -> str:
     default=None,
     help="Evaluate a directory written by `omni-grpo export` (omni or vl format) instead.",
 )
-def eval_command(cfg: Any, checkpoint: Path | None, base: bool, exported: Path | None) -> None:
-    """Held-out accuracy per modality of a checkpoint (greedy, rollout.eval_sampling)."""
+@click.option(
+    "--ablate",
+    "ablate",
+    multiple=True,
+    type=click.Choice(list(ABLATIONS)),
+    help="Also evaluate with this modality's media replaced by a neutral input of the same "
+    "shape (silence, mid-grey frames); repeatable. Default: eval.ablations.",
+)
+def eval_command(
+    cfg: Any, checkpoint: Path | None, base: bool, exported: Path | None, ablate: tuple[str, ...]
+) -> None:
+    """Held-out accuracy per modality of a checkpoint (greedy, rollout.eval_sampling), and with
+    each ``--ablate`` modality blanked: a task that uses its medium falls to chance without it."""
     from rich.console import Console
-    from rich.table import Table
 
     from omni_grpo.backends import create_backend
     from omni_grpo.data.dataset import OmniDataset
@@ -88,6 +99,7 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool, exported: Path |
     from omni_grpo.trainer import (
         end_of_turn_ids,
         evaluate,
+        evaluate_ablated,
         media_token_ids,
         prepare_data,
         prepare_model,
@@ -129,18 +141,32 @@ def eval_command(cfg: Any, checkpoint: Path | None, base: bool, exported: Path |
         device=str(backend.device),
         vocab_size=len(tok),
     )
-    result = evaluate(
-        engine,
-        OmniDataset(data_cfg.eval, data_cfg.root, builder),
-        cfg.rollout.eval_sampling.to_sampling(),
-        cfg.rewards,
-        cfg.eval.max_samples,
-    )
-    table = Table(title=f"held-out accuracy ({ckpt or exported or 'untrained model'})")
-    table.add_column("modality")
-    table.add_column("accuracy", justify="right")
-    for key, value in result.items():
-        table.add_row(key.rsplit("/", 1)[-1], f"{value:.3f}")
-    Console(stderr=True).print(table)
+    eval_set = OmniDataset(data_cfg.eval, data_cfg.root, builder)
+    args = (cfg.rollout.eval_sampling.to_sampling(), cfg.rewards, cfg.eval.max_samples)
+    ablations = list(dict.fromkeys(ablate or cfg.eval.ablations))
+    result = {
+        **evaluate(engine, eval_set, *args),
+        **evaluate_ablated(engine, eval_set, ablations, *args),
+    }
+    title = f"held-out accuracy ({ckpt or exported or 'untrained model'})"
+    Console(stderr=True).print(accuracy_table(result, ablations, title))
     source = {"exported": str(exported)} if exported is not None else {}
     click.echo(json.dumps({"checkpoint": str(ckpt) if ckpt else None, **source, **result}))
+
+
+def accuracy_table(result: dict[str, float], ablations: list[str], title: str) -> Any:
+    """Rows = modalities, columns = the plain evaluation and each ablation."""
+    from rich.table import Table
+
+    prefix = "eval/accuracy/"
+    modalities = [k[len(prefix) :] for k in result if k.startswith(prefix)]
+    table = Table(title=title)
+    table.add_column("modality")
+    table.add_column("accuracy", justify="right")
+    for name in ablations:
+        table.add_column(f"{name} ablated", justify="right")
+    for m in modalities:
+        cells = [result.get(f"eval/accuracy/{m}")]
+        cells += [result.get(f"eval/ablated/{name}/accuracy/{m}") for name in ablations]
+        table.add_row(m, *("-" if v is None else f"{v:.3f}" for v in cells))
+    return table

@@ -52,12 +52,17 @@ class RunConfig(_Strict):
     dir: Path = Path("runs/default")
     seed: int = 0
     steps: int = Field(100, ge=0)
-    eval_every: int = Field(10, ge=0, description="0 disables periodic evaluation")
     save_every: int = Field(50, ge=0, description="0 saves only at the end")
     log_every: int = Field(1, ge=1)
     tensorboard: bool = True
     wandb: bool = False
     plots: bool = True
+    collapse_warn_steps: int = Field(
+        20,
+        ge=0,
+        description="warn when a modality has had no group with reward variance (no GRPO signal) "
+        "while unsolved for this many consecutive steps; 0 disables",
+    )
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -65,7 +70,7 @@ class TinyModelConfig(_Strict):
     """Create a tiny random Omni checkpoint at ``model.omni_checkpoint`` when it does not exist."""
 
     vocab: Literal["small", "real"] = "small"
-    seed: int = 0
+    seed: int | None = Field(None, description="default run.seed")
     sizes: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="overrides per tower: {'text': {...}, 'vision': {...}, 'audio': {...}}",
@@ -99,7 +104,7 @@ class SyntheticDataConfig(_Strict):
     )
     n_train: int = Field(256, ge=1)
     n_eval: int = Field(64, ge=1)
-    seed: int = 0
+    seed: int | None = Field(None, description="default run.seed")
 
 
 def default_media_root(spec: Any) -> Path:
@@ -362,9 +367,6 @@ class TrainerConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(1, ge=1)
-    grad_accum: int | None = Field(
-        None, ge=1, description="None: derived from the step's batch size"
-    )
     ppo_epochs: int = Field(1, ge=1)
     warmup: WarmupConfig | None = None
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -401,10 +403,19 @@ class RewardsConfig(_Strict):
     )
 
 
+AblationName = Literal["audio", "image", "video", "all"]
+
+
 class EvalConfig(_Strict):
-    every: int = Field(10, ge=0)
+    """Held-out greedy evaluation, always reported per modality and overall."""
+
+    every: int = Field(10, ge=0, description="0 disables periodic evaluation (the final one stays)")
     max_samples: int | None = Field(None, ge=1)
-    per_modality: bool = True
+    ablations: list[AblationName] = Field(
+        default_factory=list,
+        description="also evaluate with this modality's media replaced by a neutral input of the "
+        "same shape (silence, mid-grey frames): eval/ablated/<modality>/accuracy/*",
+    )
 
 
 # -------------------------------------------------------------------------------------------- root
@@ -420,8 +431,20 @@ class OmniGRPOConfig(_Strict):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
+    def _backend_supports(self) -> OmniGRPOConfig:
+        if self.trainer.backend == "megatron":
+            refusals = megatron_refusals(self)
+            if refusals:
+                raise ValueError("; ".join(refusals))
+        return self
+
+    @model_validator(mode="after")
     def _derived_paths(self) -> OmniGRPOConfig:
-        # Defaults that depend on run.dir; assigned without re-validation loops.
+        # Defaults that depend on run.dir / run.seed; assigned without re-validation loops.
+        if self.model.make_tiny is not None and self.model.make_tiny.seed is None:
+            object.__setattr__(self.model.make_tiny, "seed", self.run.seed)
+        if self.data.synthetic is not None and self.data.synthetic.seed is None:
+            object.__setattr__(self.data.synthetic, "seed", self.run.seed)
         if self.model.extracted_dir is None:
             object.__setattr__(self.model, "extracted_dir", self.run.dir / "model" / "vl")
         if self.model.audio_dir is None:
@@ -429,6 +452,62 @@ class OmniGRPOConfig(_Strict):
         if self.data.root is None and self.data.train is not None:
             object.__setattr__(self.data, "root", self.data.default_root())
         return self
+
+
+# Megatron precision names and the model.dtype each one equals.
+MEGATRON_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def megatron_refusals(cfg: OmniGRPOConfig) -> list[str]:
+    """What the Megatron backend would silently ignore in ``cfg``, one sentence each.
+
+    Its visual tower always runs under ``no_grad``, its precision is
+    ``trainer.megatron.precision`` and it packs micro-batches by ``max_tokens_per_gpu``; accepting
+    a setting it does not honour would make a run differ from its config without a word.
+    """
+    out = []
+    if not cfg.model.freeze_visual:
+        out.append(
+            "model.freeze_visual: false is not supported by the megatron backend (its visual "
+            "tower is frozen); use trainer.backend: torch to train the vision tower"
+        )
+    want = MEGATRON_DTYPES[cfg.trainer.megatron.precision]
+    if cfg.model.dtype not in ("auto", want):
+        out.append(
+            f"model.dtype {cfg.model.dtype} disagrees with trainer.megatron.precision "
+            f"{cfg.trainer.megatron.precision} (the megatron backend's precision); set model.dtype "
+            f"to auto or {want}"
+        )
+    if cfg.trainer.micro_batch_size != 1:
+        out.append(
+            f"trainer.micro_batch_size {cfg.trainer.micro_batch_size} is not used by the megatron "
+            "backend (it packs micro-batches by trainer.megatron.max_tokens_per_gpu); leave it at 1"
+        )
+    if cfg.trainer.warmup is not None and cfg.trainer.warmup.steps > 0:
+        out.append(
+            "trainer.warmup (the supervised format warm-up) is not implemented for the megatron backend"
+        )
+    return out
+
+
+# Fields that existed once and were removed: a config that still sets one gets this sentence
+# instead of the generic "extra fields not permitted", so the user learns where the setting went.
+REMOVED_FIELDS: dict[tuple[str, ...], str] = {
+    ("run", "eval_every"): "run.eval_every was removed: eval.every is the one evaluation interval",
+    ("trainer", "grad_accum"): "trainer.grad_accum was removed: a step always accumulates all of "
+    "its micro-batches (trainer.micro_batch_size rows each) into one optimizer step",
+    ("eval", "per_modality"): "eval.per_modality was removed: held-out accuracy is always "
+    "reported per modality and overall (eval/accuracy/<modality>, eval/accuracy/all)",
+}
+
+
+def _refuse_removed(cfg_dict: dict[str, Any], source: str | None) -> None:
+    for path, message in REMOVED_FIELDS.items():
+        node: Any = cfg_dict
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node:
+            raise ConfigError(f"{source}: {message}" if source else message)
 
 
 # ------------------------------------------------------------------------------ loading, overrides
@@ -454,6 +533,8 @@ def _parse_value(text: str) -> Any:
 
 def _model_for_path(path: list[str]) -> None:
     """Raise ConfigError unless the dotted path names a field of the tree (dict fields may go deeper)."""
+    if tuple(path) in REMOVED_FIELDS:
+        raise ConfigError(REMOVED_FIELDS[tuple(path)])
     model: Any = OmniGRPOConfig
     for i, key in enumerate(path):
         fields = getattr(model, "model_fields", None)
@@ -537,6 +618,7 @@ def _resolve_paths(cfg_dict: dict[str, Any], base: Path) -> None:
 
 def build_config(cfg_dict: dict[str, Any], source: str | None = None) -> OmniGRPOConfig:
     """Validate a raw dict into the tree, converting pydantic errors into a readable ConfigError."""
+    _refuse_removed(cfg_dict, source)
     try:
         return OmniGRPOConfig.model_validate(cfg_dict)
     except ValidationError as err:

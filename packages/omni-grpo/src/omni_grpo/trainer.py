@@ -38,7 +38,8 @@ from omni_grpo.run.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from omni_grpo.run.metrics import MetricsLogger
+from omni_grpo.run.health import SignalWatch
+from omni_grpo.run.metrics import MetricsLogger, read_metrics
 from omni_grpo.run.plots import plot_run
 from omni_grpo.run.progress import TrainProgress
 from omni_grpo.run.stored_config import store_run_config
@@ -212,6 +213,27 @@ def evaluate(
     return out
 
 
+def evaluate_ablated(
+    engine: Any,
+    dataset: OmniDataset,
+    ablations: list[str],
+    sampling: Any,
+    rewards_cfg: Any,
+    max_samples: int | None,
+) -> dict[str, float]:
+    """The held-out evaluation again per ablation, with that modality's media replaced by a
+    neutral input of the same shape (``omni_grpo.data.ablation``): ``eval/ablated/<name>/...``.
+
+    A task that really uses its modality falls to chance when it is ablated and does not move
+    when another one is; anything else is a shortcut through the text or another medium.
+    """
+    out: dict[str, float] = {}
+    for name in ablations:
+        result = evaluate(engine, dataset.ablated(name), sampling, rewards_cfg, max_samples)
+        out.update({f"eval/ablated/{name}/{k[len('eval/') :]}": v for k, v in result.items()})
+    return out
+
+
 # ------------------------------------------------------------------------------------- warm-up
 def format_warmup(
     backend: Any,
@@ -338,11 +360,18 @@ def train(
         save_checkpoint(run_dir, state, backend.trainable_state(), backend.optimizer_state())
 
     def run_eval() -> dict[str, float]:
-        if eval_set is None or cfg.eval.every == 0 and cfg.run.eval_every == 0:
+        if eval_set is None or cfg.eval.every == 0:
             return {}
-        return evaluate(engine, eval_set, eval_sampling, cfg.rewards, cfg.eval.max_samples)
+        args = (eval_sampling, cfg.rewards, cfg.eval.max_samples)
+        return {
+            **evaluate(engine, eval_set, *args),
+            **evaluate_ablated(engine, eval_set, cfg.eval.ablations, *args),
+        }
 
-    eval_every = cfg.eval.every or cfg.run.eval_every
+    eval_every = cfg.eval.every
+    watch = SignalWatch(cfg.run.collapse_warn_steps)
+    if ckpt is not None:
+        watch.replay(read_metrics(run_dir))  # the logger kept exactly the checkpoint's steps
     last_eval: dict[str, float] = {}
     try:
         # --- optional format warm-up (once per run, before step 1)
@@ -414,6 +443,7 @@ def train(
                     metrics.update(report.metrics())
                 # metrics / eval / checkpoint
                 metrics.update(rollout_metrics(groups, rewards))
+                metrics.update(watch.update(step, metrics))
                 metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train})
                 metrics.update(
                     {
@@ -443,24 +473,38 @@ def train(
 
 
 def rollout_metrics(groups: list[list[Completion]], rewards: torch.Tensor) -> dict[str, float]:
-    """Reward statistics (overall and per modality), lengths and how many groups carry signal."""
+    """Reward statistics (overall and per modality), lengths, how many groups carry signal and
+    the policy's entropy per modality.
+
+    ``entropy/<modality>`` is the sampled-token estimate ``-mean(logprob)`` over the completions'
+    tokens under the rollout sampling distribution (no extra forward, and it is what the engine
+    actually sampled from); it falls towards 0 as a modality's policy turns deterministic, which
+    is what precedes a zero-variance collapse. ``zero_variance_frac/<modality>`` is the share of
+    its groups whose rewards are all equal (``1 - signal``): no advantage, no gradient.
+    """
+    has_groups = rewards.shape[1] > 1
+    varied = rewards.std(dim=1) > 0 if has_groups else torch.zeros(len(groups), dtype=torch.bool)
     out: dict[str, float] = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "groups_with_signal": float((rewards.std(dim=1) > 0).float().mean())
-        if rewards.shape[1] > 1
-        else 0.0,
+        "groups_with_signal": float(varied.float().mean()) if has_groups else 0.0,
+        "zero_variance_frac": float(1.0 - varied.float().mean()) if has_groups else 1.0,
         "completion_len_mean": float(np.mean([len(c.token_ids) for g in groups for c in g])),
         "truncated_frac": float(np.mean([c.finish_reason == "length" for g in groups for c in g])),
     }
     per: dict[str, list[float]] = defaultdict(list)
     signal: dict[str, list[float]] = defaultdict(list)
+    logps: dict[str, list[float]] = defaultdict(list)
     for g, group in enumerate(groups):
         modality = group[0].prompt.sample.modality
         per[modality].extend(rewards[g].tolist())
-        signal[modality].append(float(rewards.shape[1] > 1 and bool(rewards[g].std() > 0)))
+        signal[modality].append(float(varied[g]))
+        logps[modality].extend(lp for c in group for lp in c.logprobs)
     for modality, values in sorted(per.items()):
         out[f"reward/{modality}"] = float(np.mean(values))
         # groups whose rewards differ: the only ones GRPO learns from (0 = collapsed on this task)
         out[f"signal/{modality}"] = float(np.mean(signal[modality]))
+        out[f"zero_variance_frac/{modality}"] = 1.0 - out[f"signal/{modality}"]
+        if logps[modality]:
+            out[f"entropy/{modality}"] = float(-np.mean(logps[modality]))
     return out

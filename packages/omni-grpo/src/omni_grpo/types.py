@@ -27,7 +27,7 @@ class Sample:
         default_factory=list
     )  # [{"type": "image"|"video"|"audio", "path": ...}]
     choices: list[str] | None = None
-    reward: str = "mcq"
+    reward: str | None = None  # None: the config's rewards.by_modality / rewards.default choose
     modality: str = "text"  # image | video | audio | text | mixed (for per-modality eval metrics)
     metadata: dict[str, Any] = field(default_factory=dict)
 

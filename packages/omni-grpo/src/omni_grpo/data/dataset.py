@@ -74,6 +74,10 @@ class OmniDataset:
         builder = builder or PromptBuilder(model_dir, data, system_prompt=system_prompt)
         return cls(path, data.root or default_root(path), builder, data.columns)
 
+    def ablated(self, name: str) -> OmniDataset:
+        """The same rows with the media of ablation ``name`` replaced by neutral inputs."""
+        return OmniDataset(self.samples, self.root, self.builder.ablated(name))
+
     def __len__(self) -> int:
         return len(self.samples)
 

@@ -9,6 +9,7 @@ omni-extract ``vl`` dir with ``omni_sideband``, or a hub Omni dir with ``thinker
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from omni_grpo.data.ablation import ABLATIONS, neutralise
 from omni_grpo.data.audio import audio_features, audio_tokens, whisper_kwargs
 from omni_grpo.data.media import (
     MediaError,
@@ -118,6 +120,7 @@ class PromptBuilder:
         *,
         tokenizer: Any = None,
         system_prompt: str | None = None,
+        ablate: frozenset[str] = frozenset(),
     ) -> None:
         self.model_dir = Path(model_dir)
         self.data = data
@@ -129,6 +132,15 @@ class PromptBuilder:
         )
         self.whisper = whisper_kwargs(self.model_dir)
         self.system_prompt = system_prompt
+        self.ablate = ablate  # media types replaced by a neutral input (omni_grpo.data.ablation)
+
+    def ablated(self, name: str) -> PromptBuilder:
+        """The same builder with the media of ablation ``name`` (``ABLATIONS``) made neutral."""
+        if name not in ABLATIONS:
+            raise ValueError(f"unknown ablation {name!r}; expected one of {sorted(ABLATIONS)}")
+        out = copy.copy(self)
+        out.ablate = self.ablate | ABLATIONS[name]
+        return out
 
     # ------------------------------------------------------------------------------- text side
     def messages(self, sample: Sample) -> list[dict[str, Any]]:
@@ -204,7 +216,9 @@ class PromptBuilder:
             try:
                 if item["type"] == "image":
                     pv, grid = process_image(
-                        load_image(src, lim.max_source_pixels, name),
+                        neutralise(
+                            "image", load_image(src, lim.max_source_pixels, name), self.ablate
+                        ),
                         self.image_cfg,
                         d.image_max_pixels,
                         d.image_min_pixels,
@@ -213,7 +227,9 @@ class PromptBuilder:
                     out["img_grid"].append(grid)
                     counts.append(tokens_for_grid(grid, self.image_cfg.merge_size))
                 elif item["type"] == "video":
-                    clip = load_video(src, d.video_fps, d.max_frames, name, lim)
+                    clip = neutralise(
+                        "video", load_video(src, d.video_fps, d.max_frames, name, lim), self.ablate
+                    )
                     pv, grid = process_frames(
                         clip.frames, self.video_cfg, max_pixels=d.video_max_pixels
                     )
@@ -222,7 +238,11 @@ class PromptBuilder:
                     out["spg"].append(self.video_cfg.temporal_patch_size / clip.fps)
                     counts.append(tokens_for_grid(grid, self.video_cfg.merge_size))
                 else:
-                    wave = load_audio(src, lim.audio_max_seconds, name, min_samples)
+                    wave = neutralise(
+                        "audio",
+                        load_audio(src, lim.audio_max_seconds, name, min_samples),
+                        self.ablate,
+                    )
                     feats, mask = audio_features(wave, self.whisper)
                     out["feat"].append(feats[0])
                     out["mask"].append(mask[0])

@@ -77,7 +77,9 @@ class DatasetRow(BaseModel):
     label: str
     media: list[MediaRef] = Field(default_factory=list)
     choices: list[str] | None = None
-    reward: str = "mcq"
+    reward: str | None = Field(
+        None, description="reward entry-point name; None: rewards.by_modality, then rewards.default"
+    )
     modality: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 

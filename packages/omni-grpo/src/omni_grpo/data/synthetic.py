@@ -158,8 +158,7 @@ def _rows(split: str, tasks: Sequence[str], n: int, root: Path, seed: int) -> li
                     "label": LETTERS[k],
                     "media": [{"type": name, "path": rel.as_posix()}],
                     "choices": list(task.answers),
-                    "reward": "mcq",
-                    "modality": name,
+                    "modality": name,  # no "reward": rewards.default / by_modality choose
                     "metadata": {"task": name, "answer": answer, **meta},
                 }
             )

@@ -14,6 +14,11 @@ from omni_grpo.extras import optional
 from omni_grpo.run.metrics import read_metrics
 
 ACCURACY_PREFIX = "eval/accuracy/"
+# collapse watch (issue 16): panel title -> metrics.jsonl key prefix, one line per modality
+HEALTH_PANELS: dict[str, str] = {
+    "policy entropy (sampled tokens, nats)": "entropy/",
+    "zero-variance group fraction (no GRPO signal)": "zero_variance_frac/",
+}
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -21,8 +26,41 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
+
+
+def _plot_health(records: list[dict[str, Any]], path: Path) -> bool:
+    """Per-modality entropy and zero-variance fraction, the two signs of a collapsing modality."""
+    import matplotlib.pyplot as plt
+
+    panels = [
+        (title, sorted({k for r in records for k in r if k.startswith(prefix)}))
+        for title, prefix in HEALTH_PANELS.items()
+    ]
+    if not any(keys for _, keys in panels):
+        return False
+    fig, axes = plt.subplots(len(panels), 1, figsize=(6, 2.6 * len(panels)), sharex=True)
+    for ax, (title, keys) in zip(axes, panels, strict=True):
+        for key in keys:
+            s, v = _series(records, key)
+            ax.plot(s, _moving_mean(v, max(1, len(v) // 20)), lw=1.5, label=key.split("/", 1)[1])
+        ax.set_title(title)
+        if keys:
+            ax.legend(loc="upper right")
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def plot_run(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write ``reward.png`` and ``accuracy.png`` into ``<run>/plots``; return the files written."""
+    """Write ``reward.png``, ``accuracy.png`` and ``health.png`` (per-modality entropy and
+    zero-variance fraction) into ``<run>/plots``; return the files written."""
     matplotlib = optional("run.plots")
     if matplotlib is None:
         return []
@@ -40,11 +78,7 @@ def plot_run(run_dir: str | os.PathLike[str]) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, reward, lw=1, alpha=0.4, label="reward_mean")
         window = max(1, len(reward) // 20)
-        smooth = [
-            sum(reward[max(0, i - window + 1) : i + 1])
-            / len(reward[max(0, i - window + 1) : i + 1])
-            for i in range(len(reward))
-        ]
+        smooth = _moving_mean(reward, window)
         ax.plot(steps, smooth, lw=2, label=f"moving mean ({window})")
         ax.set_xlabel("step")
         ax.set_ylabel("reward")
@@ -72,4 +106,6 @@ def plot_run(run_dir: str | os.PathLike[str]) -> list[Path]:
         fig.savefig(out_dir / "accuracy.png", dpi=100)
         plt.close(fig)
         written.append(out_dir / "accuracy.png")
+    if _plot_health(records, out_dir / "health.png"):
+        written.append(out_dir / "health.png")
     return written
