@@ -139,6 +139,13 @@ def test_megatron_checkpoint_exports_like_torch(run, omni, tmp_path, grouped):
     for k in base:
         want = base[k] if k.startswith("thinker.visual.") else torch_out[k]
         assert mega[k] == want, k
+    # the pseudo-VL format from the same Megatron checkpoint: the torch run's language model
+    export_run(mega_run.run_dir, tmp_path / "mega-vl", fmt="vl")
+    export_run(run.run_dir, tmp_path / "torch-vl", fmt="vl")
+    mega_vl, torch_vl = _raw(tmp_path / "mega-vl"), _raw(tmp_path / "torch-vl")
+    assert mega_vl.keys() == torch_vl.keys()
+    lm_names = [k for k in torch_vl if not k.startswith("model.visual.")]
+    assert lm_names and all(mega_vl[k] == torch_vl[k] for k in lm_names)
     if grouped:  # and the logits, through transformers
         mega_run.weights = lm
         _check_against_trained(tmp_path / "mega", mega_run, omni)
@@ -285,3 +292,25 @@ def test_cli_refuses_incomplete_checkpoints(run, tmp_path):
         *_cli(str(broken), "--dst", str(tmp_path / "o"), "--quiet"), "incomplete", "state.json"
     )
     assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_split_over_several_files_reads_as_one(run, tmp_path):
+    """Per-rank shard files of the multi-process path: read as one list, shard by shard."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    split = tmp_path / "run"
+    shutil.copytree(run.run_dir, split)
+    ckpt = split / "checkpoints" / "step_000003"
+    weights = load_file(str(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    names = sorted(weights)
+    save_file({k: weights[k] for k in names[::2]}, str(ckpt / "model-rank00000.safetensors"))
+    save_file({k: weights[k] for k in names[1::2]}, str(ckpt / "model-rank00001.safetensors"))
+    export_run(split, tmp_path / "split")
+    export_run(run.run_dir, tmp_path / "single")
+    assert _raw(tmp_path / "split") == _raw(tmp_path / "single")
+    # the same tensor in two rank files is refused, naming it (never pick one silently)
+    save_file({names[0]: weights[names[0]]}, str(ckpt / "model-rank00002.safetensors"))
+    _one_line_error(*_cli(str(split), "--dst", str(tmp_path / "dup"), "--quiet"), names[0])
