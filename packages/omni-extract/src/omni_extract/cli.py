@@ -111,5 +111,18 @@ def make_tiny_command(
 
 
 def main() -> None:
-    """Entry point of the ``omni-extract`` script."""
-    extract_command.main(prog_name="omni-extract")
+    """Entry point of the ``omni-extract`` script: one ``Error:`` line for anything the command
+    raises (``--debug`` or ``OMNI_EXTRACT_DEBUG=1`` shows the traceback instead)."""
+    import os
+    import sys
+
+    debug = "--debug" in sys.argv[1:] or os.environ.get("OMNI_EXTRACT_DEBUG", "") not in ("", "0")
+    args = [a for a in sys.argv[1:] if a != "--debug"]
+    try:
+        extract_command.main(args, prog_name="omni-extract")
+    except Exception as exc:
+        if debug:
+            raise
+        text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        click.echo(f"Error: {type(exc).__name__}: {text}", err=True)
+        sys.exit(1)

@@ -97,6 +97,62 @@ DEFAULT_AUDIO: dict[str, Any] = {
     "conv_chunksize": 500,
     "max_source_positions": 1500,
 }
+# Keys ``TinyOmniSpec.text/vision/audio`` may override: the size and architecture arguments of
+# transformers' Qwen3-Omni text / vision / audio configs. Those configs keep ANY extra key as a
+# silent attribute, so a typo (``num_layers``) would build the default model without a word.
+# Ids, ``vocab_size`` and the projection widths (``out_hidden_size``, ``output_dim``) are set by
+# the factory itself and are not overridable.
+SIZE_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset(
+        {
+            *DEFAULT_TEXT,
+            "hidden_act",
+            "initializer_range",
+            "attention_bias",
+            "sliding_window",
+            "attention_dropout",
+            "router_aux_loss_coef",
+        }
+    ),
+    "vision": frozenset({*DEFAULT_VISION, "initializer_range"}),
+    "audio": frozenset(
+        {
+            *DEFAULT_AUDIO,
+            "dropout",
+            "attention_dropout",
+            "activation_function",
+            "activation_dropout",
+            "scale_embedding",
+            "initializer_range",
+        }
+    ),
+}
+
+
+def check_size_overrides(sizes: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming every tower or key the factory would silently ignore."""
+    problems = []
+    unknown_towers = sorted(set(sizes) - set(SIZE_KEYS))
+    if unknown_towers:
+        problems.append(
+            f"unknown tower(s) {unknown_towers}; expected a subset of {sorted(SIZE_KEYS)}"
+        )
+    for tower in sorted(set(sizes) & set(SIZE_KEYS)):
+        overrides = sizes[tower]
+        if not isinstance(overrides, dict):
+            problems.append(
+                f"{tower}: expected a mapping of config keys, got {type(overrides).__name__}"
+            )
+            continue
+        unknown = sorted(set(overrides) - SIZE_KEYS[tower])
+        if unknown:
+            problems.append(
+                f"{tower}: unknown key(s) {unknown} (known: {sorted(SIZE_KEYS[tower])})"
+            )
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 SMALL_CORPUS = (
     "the quick brown fox jumps over the lazy dog. answer with the letter of the correct option. "
     "A B C D E. what is the colour of the image? red green blue yellow. is the tone high or low? "
@@ -351,6 +407,7 @@ def make_tiny_omni(dst: str | os.PathLike[str], spec: TinyOmniSpec | None = None
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
     spec = spec or TinyOmniSpec()
+    check_size_overrides({"text": spec.text, "vision": spec.vision, "audio": spec.audio})
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")

@@ -33,16 +33,66 @@ def _broken_command(name: str, err: BaseException) -> click.Command:
     return broken
 
 
+DEBUG_KEY = "omni_grpo.debug"
+
+
+def one_line(text: str) -> str:
+    """Messages are printed on one line: multi-line reasons are joined with ``; ``."""
+    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+# Packages whose exceptions are raised on purpose, with a message that names the thing.
+OWN_PACKAGES = frozenset(
+    {"omni_grpo", "omni_extract", "omni_rope", "omni_audio_inject", "omni_rollout_client"}
+)
+
+
+def error_message(exc: BaseException) -> str:
+    """What the CLI prints for an error a command raised.
+
+    Expected: our own exception classes, ``ValueError`` (config, data, checkpoint contents),
+    ``OSError`` (missing file, permission, disk full) and plain ``RuntimeError`` (what torch and
+    safetensors raise for unreadable files): their message is printed. Anything else is a bug,
+    said so in one line with the hint to rerun with ``--debug``.
+    """
+    msg = one_line(str(exc)) or type(exc).__name__
+    if type(exc).__module__.split(".")[0] in OWN_PACKAGES or isinstance(exc, ValueError):
+        return msg
+    if isinstance(exc, OSError):
+        if exc.filename is not None and str(exc.filename) not in msg:
+            msg = f"{msg}: {exc.filename}"
+        return f"{type(exc).__name__}: {msg}"
+    if isinstance(exc, RuntimeError):
+        return msg
+    return f"internal error ({type(exc).__name__}: {msg}); rerun with --debug for the traceback"
+
+
 class EntryPointGroup(click.Group):
     """A click group whose subcommands are also resolved, on demand, from an entry-point group.
 
     ``entry_point_group`` names the group (``omni_grpo.commands`` for ``omni-grpo`` itself,
     ``omni_grpo.preparers`` for ``prepare-data``) and ``kind`` the noun in error messages. A plugin
     that fails to load, or is not a click command, shows up as a broken command with its error.
+
+    It is also the CLI's ONE error-handling layer: whatever a subcommand raises becomes a
+    one-line ``Error: ...`` with exit status 1 (``error_message``), unless ``--debug`` asks for
+    the traceback. Commands raise plain exceptions; none of them catches to print.
     """
 
     entry_point_group = COMMANDS_GROUP
     kind = "command"
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if ctx.meta.get(DEBUG_KEY):
+                raise
+            from omni_grpo.config import redact
+
+            raise click.ClickException(redact(error_message(exc))) from None
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(registered(self.entry_point_group)))
@@ -81,8 +131,16 @@ def _renamed(cmd: click.Command, name: str) -> click.Command:
 
 @click.group(cls=EntryPointGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="omni-grpo")
-def main() -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    envvar="OMNI_GRPO_DEBUG",
+    help="Show the full traceback of an error instead of its one-line message.",
+)
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
     """GRPO for the Qwen3-Omni thinker on audio, image and video prompts."""
+    ctx.meta[DEBUG_KEY] = debug
 
 
 # ------------------------------------------------------------------- shared --config/--set options
@@ -116,7 +174,7 @@ def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             cfg = load_config(config_path, overrides)
         except ConfigError as err:
-            raise click.UsageError(str(err)) from None
+            raise click.UsageError(one_line(str(err))) from None
         return func(*args, cfg=cfg, **kwargs)
 
     return wrapper

@@ -92,6 +92,7 @@ def eval_command(
     from rich.console import Console
 
     from omni_grpo.backends import create_backend
+    from omni_grpo.config import check_paths
     from omni_grpo.data.dataset import OmniDataset
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.rollout import create_engine
@@ -114,6 +115,9 @@ def eval_command(
         except ExportError as err:
             raise click.UsageError(str(err)) from None
         base = True
+    check_paths(cfg)
+    if checkpoint is not None and not checkpoint.is_dir():
+        raise click.UsageError(f"--checkpoint {checkpoint} is not a directory")
     run_dir = Path(cfg.run.dir)
     vl_dir, _ = prepare_model(cfg.model, run_dir)
     data_cfg = prepare_data(cfg.data, run_dir)

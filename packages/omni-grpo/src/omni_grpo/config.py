@@ -11,12 +11,15 @@ working directory), so a config can be run from anywhere; ``load_config`` does t
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -34,6 +37,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _non_empty_path(value: Any) -> Any:
+    """``""`` would become ``Path(".")``: a run writing into the current directory, a dataset
+    that is "the cwd". Refuse it instead of guessing."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("empty path (give a directory or file, or leave the key out)")
+    return value
+
+
+PathField = Annotated[Path, BeforeValidator(_non_empty_path)]
+
+# A config key whose value must never be printed: the last segment of its dotted path matches.
+SECRET_KEY = re.compile(
+    r"(?i)(?:^|_)(?:api_?key|key|secret|secrets|password|passwd|pwd|token|auth|credentials?|bearer)$"
+)
+
+
 def _registered(group: str, name: str, kind: str) -> str:
     """``name`` if an entry point of ``group`` carries it: engines and backends are plugins, so a
     third-party package can add one, and a typo fails at config time with the names that exist."""
@@ -49,7 +68,7 @@ def _registered(group: str, name: str, kind: str) -> str:
 
 # --------------------------------------------------------------------------------------------- run
 class RunConfig(_Strict):
-    dir: Path = Path("runs/default")
+    dir: PathField = Path("runs/default")
     seed: int = 0
     steps: int = Field(100, ge=0)
     save_every: int = Field(50, ge=0, description="0 saves only at the end")
@@ -79,19 +98,18 @@ class TinyModelConfig(_Strict):
     @field_validator("sizes")
     @classmethod
     def _known_towers(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        bad = sorted(set(v) - {"text", "vision", "audio"})
-        if bad:
-            raise ValueError(
-                f"unknown tower(s) {bad}; expected a subset of ['audio', 'text', 'vision']"
-            )
+        # The factory merges these into transformers configs, which keep any key silently.
+        from omni_extract.tiny import check_size_overrides
+
+        check_size_overrides(v)
         return v
 
 
 class ModelConfig(_Strict):
-    omni_checkpoint: Path | None = None
+    omni_checkpoint: PathField | None = None
     make_tiny: TinyModelConfig | None = None
-    extracted_dir: Path | None = Field(None, description="default <run.dir>/model/vl")
-    audio_dir: Path | None = Field(None, description="default <run.dir>/model/audio")
+    extracted_dir: PathField | None = Field(None, description="default <run.dir>/model/vl")
+    audio_dir: PathField | None = Field(None, description="default <run.dir>/model/audio")
     dtype: Literal["float32", "bfloat16", "auto"] = "auto"
     freeze_visual: bool = True
     freeze_lm_head: bool = False
@@ -122,9 +140,9 @@ class DataConfig(_Strict):
     and counted (``data/skipped_rows``); only a split with no usable row is an error.
     """
 
-    train: Path | list[Path] | None = None
-    eval: Path | list[Path] | None = None
-    root: Path | None = Field(
+    train: PathField | list[PathField] | None = None
+    eval: PathField | list[PathField] | None = None
+    root: PathField | None = Field(
         None,
         description="media root; media paths are confined to it (default: the train file's dir, "
         "or the dataset dir itself)",
@@ -225,7 +243,7 @@ class SglangOmniConfig(_Strict):
     max_concurrency: int = Field(64, ge=1)
     bf16_payload: bool = True
     sync_mode: Literal["skip", "distributed", "disk"] = "disk"
-    sync_dir: Path | None = None
+    sync_dir: PathField | None = None
     bucket_mb: int = Field(512, ge=1)
     launch: SglangLaunchConfig | None = Field(
         None, description="start servers as Ray actors (their URLs join `urls`)"
@@ -511,16 +529,51 @@ def _refuse_removed(cfg_dict: dict[str, Any], source: str | None) -> None:
 
 
 # ------------------------------------------------------------------------------ loading, overrides
-def format_validation_error(err: ValidationError, source: str | None = None) -> str:
-    """One line per problem: ``<source>: rollout.n_samples: Input should be greater than 1 (got 1)``."""
-    lines = []
+def _secret_values(raw: Any, secret: bool = False) -> Iterator[str]:
+    """Every scalar stored under a secret-looking key anywhere in ``raw`` (also in lists), as
+    text: what an error message must never contain, wherever the key was (mis)placed."""
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            yield from _secret_values(value, secret or bool(SECRET_KEY.search(str(key))))
+    elif isinstance(raw, list | tuple):
+        for value in raw:
+            yield from _secret_values(value, secret)
+    elif secret and raw is not None and str(raw).strip():
+        yield str(raw)
+
+
+def redact(text: str, raw: Any = None) -> str:
+    """``text`` with every secret value of ``raw`` (and of the admin-key environment) masked."""
+    secrets = set(_secret_values(raw))
+    env_key = os.environ.get("SGLANG_OMNI_ADMIN_KEY")
+    if env_key:
+        secrets.add(env_key)
+    for value in sorted(secrets, key=len, reverse=True):
+        text = text.replace(value, "<redacted>")
+        text = text.replace(repr(value), "'<redacted>'")
+    return text
+
+
+def _looks_secret(loc: tuple[Any, ...], value: Any) -> bool:
+    if any(SECRET_KEY.search(str(part)) for part in loc):
+        return True
+    return any(True for _ in _secret_values(value, False)) or isinstance(value, dict | list)
+
+
+def format_validation_error(
+    err: ValidationError, source: str | None = None, raw: Any = None
+) -> str:
+    """One line: ``invalid config <source>: rollout.n_samples: Input should be greater than 1
+    (got 1); ...``. The value is echoed only when it is a plain scalar of a non-secret key."""
+    parts = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
         got = e.get("input")
-        got_s = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
-        lines.append(f"{path}: {e['msg']}{got_s}")
+        hide = e["type"] == "missing" or _looks_secret(tuple(e["loc"]), got)
+        got_s = "" if hide else f" (got {got!r})"
+        parts.append(f"{path}: {e['msg']}{got_s}")
     head = f"invalid config {source}" if source else "invalid config"
-    return head + ":\n  " + "\n  ".join(lines)
+    return redact(head + ": " + "; ".join(parts), raw)
 
 
 def _parse_value(text: str) -> Any:
@@ -559,6 +612,9 @@ def _submodel(annotation: Any) -> Any:
     return None
 
 
+_SECRET_TEXT = re.compile(r"(?i)key|secret|passw|token|auth|credential|bearer")
+
+
 def apply_overrides(
     cfg_dict: dict[str, Any], overrides: list[str] | tuple[str, ...]
 ) -> dict[str, Any]:
@@ -572,7 +628,8 @@ def apply_overrides(
     out = copy.deepcopy(cfg_dict)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. rollout.n_samples=8)")
+            shown = "<hidden: it may hold a secret>" if _SECRET_TEXT.search(item) else repr(item)
+            raise ConfigError(f"override {shown} is not KEY=VALUE (e.g. rollout.n_samples=8)")
         key, raw = item.split("=", 1)
         path = [p for p in key.strip().split(".")]
         if not all(path):
@@ -611,7 +668,7 @@ def _resolve_paths(cfg_dict: dict[str, Any], base: Path) -> None:
         if not isinstance(node, dict):
             continue
         value = node.get(path[-1])
-        if isinstance(value, str | os.PathLike) and str(value) != "":
+        if isinstance(value, str | os.PathLike) and str(value).strip() != "":
             p = Path(os.path.expanduser(str(value)))
             node[path[-1]] = str(p if p.is_absolute() else (base / p))
 
@@ -622,7 +679,7 @@ def build_config(cfg_dict: dict[str, Any], source: str | None = None) -> OmniGRP
     try:
         return OmniGRPOConfig.model_validate(cfg_dict)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
+        raise ConfigError(format_validation_error(err, source, cfg_dict)) from None
 
 
 def load_config(
@@ -643,7 +700,12 @@ def load_config(
         try:
             loaded = yaml.safe_load(file.read_text())
         except yaml.YAMLError as err:
-            raise ConfigError(f"{file}: not valid YAML: {err}") from None
+            # Only the problem and its position: YAML's own message quotes the offending line,
+            # which may be the one holding the admin key.
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ConfigError(f"{file}: not valid YAML: {problem}{where}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -653,6 +715,53 @@ def load_config(
     raw = apply_overrides(raw, overrides)
     _resolve_paths(raw, base)
     return build_config(raw, source)
+
+
+def _missing_dataset(key: str, spec: Path | list[Path] | None) -> list[str]:
+    """A dataset spec's entries that name nothing: a glob without a match, a missing path (a
+    file is a jsonl/parquet file, a directory a ``save_to_disk`` dataset)."""
+    import glob as globlib
+
+    if spec is None:
+        return []
+    items = spec if isinstance(spec, list) else [spec]
+    if not items:
+        return [f"{key}: an empty list"]
+    out = []
+    for item in items:
+        text = os.fspath(item)
+        if globlib.has_magic(text):
+            if not globlib.glob(text):
+                out.append(f"{key}: no file matches {text}")
+        elif not Path(text).exists():
+            out.append(f"{key}: {text} does not exist")
+    return out
+
+
+def check_paths(cfg: OmniGRPOConfig) -> None:
+    """Refuse, before anything runs, inputs that do not exist: ``data.train``/``eval``/``root``
+    (unless ``data.synthetic`` makes them) and the Omni checkpoint (unless ``model.make_tiny``
+    creates it). All problems in one ``ConfigError`` line, each naming its dotted key."""
+    problems: list[str] = []
+    data, model = cfg.data, cfg.model
+    if data.synthetic is None:
+        if data.train is None:
+            problems.append("data.train is not set (and data.synthetic is not configured)")
+        problems += _missing_dataset("data.train", data.train)
+        problems += _missing_dataset("data.eval", data.eval)
+        if data.root is not None and not data.root.is_dir():
+            problems.append(f"data.root: {data.root} is not a directory")
+    omni = model.omni_checkpoint or cfg.run.dir / "model" / "omni"
+    if model.make_tiny is None and not (omni / "config.json").is_file():
+        key = "model.omni_checkpoint" if model.omni_checkpoint else "model.omni_checkpoint (unset)"
+        where = "does not exist" if not omni.exists() else "has no config.json"
+        problems.append(
+            f"{key}: {omni} {where} (point it at a Qwen3-Omni checkpoint, or set model.make_tiny)"
+        )
+    if cfg.run.dir.exists() and not cfg.run.dir.is_dir():
+        problems.append(f"run.dir: {cfg.run.dir} is a file, not a directory")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def dump_config(cfg: OmniGRPOConfig) -> str:

@@ -283,6 +283,9 @@ def train(
     """Run GRPO as configured. ``stop_after`` ends the run early after that step (as a kill would,
     but cleanly: used by the resume test); a later ``resume=True`` call continues to ``run.steps``."""
     t_start = time.perf_counter()
+    from omni_grpo.config import check_paths
+
+    check_paths(cfg)  # missing inputs fail here, in one line, before anything is made
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     store_run_config(cfg, run_dir)  # export and humans read the run's base and settings from it

@@ -1,0 +1,179 @@
+"""Config and CLI faults of issue 15 (items 15-17): secrets never echoed, silently ignored keys
+refused, missing inputs caught at config time, one line per error from the CLI."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+from omni_grpo import cli
+from omni_grpo.config import ConfigError, check_paths, load_config
+
+SECRET = "SUPERSECRET-456"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def _config_error(tmp_path: Path, text: str, overrides: tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text), overrides)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+# ---------------------------------------------------------------------- 15. secrets never echoed
+@pytest.mark.parametrize(
+    "yaml_text",
+    [
+        "rollout:\n  sglang:\n    admin_api_key: 12345678\n",  # numeric
+        f"rollout:\n  sglang:\n    admin_api_key: [{SECRET}, b]\n",  # a list
+        f"rollout:\n  sglang:\n    admin_api_key: {{k: {SECRET}}}\n",  # a mapping
+        f"rollout:\n  admin_api_key: {SECRET}\n",  # misplaced one level up
+        f"admin_api_key: {SECRET}\n",  # misplaced at the top
+        f"sglang:\n  admin_api_key: {SECRET}\n",  # misplaced section
+        f"rollout:\n  sglang:\n    api_token: {SECRET}\n",  # another secret-looking name
+        # the same value elsewhere, where it is not a secret-looking key
+        f"rollout:\n  sglang:\n    admin_api_key: {SECRET}\n    urls: {SECRET}\n",
+    ],
+)
+def test_secret_values_are_never_echoed(tmp_path: Path, yaml_text: str) -> None:
+    msg = _config_error(tmp_path, yaml_text)
+    assert SECRET not in msg and "12345678" not in msg
+    assert "invalid config" in msg
+
+
+def test_secret_in_overrides_and_broken_yaml_is_not_echoed(tmp_path: Path) -> None:
+    for override in (
+        f"rollout.sglang.admin_api_key=[{SECRET}]",
+        f"rollout.sglang.admin_api_key:{SECRET}",
+    ):
+        msg = _config_error(tmp_path, "{}\n", (override,))
+        assert SECRET not in msg
+    msg = _config_error(tmp_path, f'rollout:\n  sglang:\n    admin_api_key: "{SECRET}\n')
+    assert SECRET not in msg and "not valid YAML" in msg and "line" in msg
+
+
+def test_plain_values_are_still_echoed(tmp_path: Path) -> None:
+    msg = _config_error(tmp_path, "rollout:\n  n_samples: 1\n")
+    assert "rollout.n_samples" in msg and "(got 1)" in msg
+
+
+def test_cli_never_prints_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_OMNI_ADMIN_KEY", "ENV-SECRET-789")
+    res = CliRunner().invoke(
+        cli.main,
+        ["show-config", "--set", f"rollout.sglang.admin_api_key=[{SECRET}, ENV-SECRET-789]"],
+    )
+    assert res.exit_code == 2
+    assert SECRET not in res.output and "ENV-SECRET-789" not in res.output
+    assert [line for line in res.output.splitlines() if line.startswith("Error")] != []
+
+
+# ------------------------------------------------------------- 16. silently ignored keys refused
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("model.make_tiny.sizes.text.num_layers=2", "text: unknown key(s) ['num_layers']"),
+        ("model.make_tiny.sizes.vision.dpeth=1", "vision: unknown key(s) ['dpeth']"),
+        ("model.make_tiny.sizes.audio.output_dim=8", "audio: unknown key(s) ['output_dim']"),
+        ("model.make_tiny.sizes.talker.x=1", "unknown tower(s) ['talker']"),
+        ("model.make_tiny.sizes.text=3", "model.make_tiny.sizes.text"),
+    ],
+)
+def test_unknown_tiny_size_keys_are_refused(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert fragment in str(info.value)
+
+
+def test_known_tiny_size_keys_pass() -> None:
+    cfg = load_config(None, ["model.make_tiny.sizes.text.num_hidden_layers=1"])
+    assert cfg.model.make_tiny.sizes["text"]["num_hidden_layers"] == 1
+
+
+def test_factory_refuses_unknown_size_keys_before_writing(tmp_path: Path) -> None:
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
+
+    with pytest.raises(ValueError, match="num_layers"):
+        make_tiny_omni(tmp_path / "t", TinyOmniSpec(text={"num_layers": 1}))
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("key", ["run.dir", "data.train", "model.omni_checkpoint"])
+@pytest.mark.parametrize("value", ['""', "'  '"])
+def test_empty_paths_are_refused(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"{key}: Value error, empty path"):
+        load_config(None, [f"{key}={value}"])
+
+
+# ------------------------------------------------------- 17. missing inputs fail at config time
+def test_missing_inputs_are_named_at_config_time(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            f"data.train={tmp_path / 'nope.jsonl'}",
+            f"data.eval={tmp_path / 'nope-eval.jsonl'}",
+            f"model.omni_checkpoint={tmp_path / 'no-model'}",
+        ],
+    )
+    with pytest.raises(ConfigError) as info:
+        check_paths(cfg)
+    msg = str(info.value)
+    assert f"data.train: {tmp_path / 'nope.jsonl'} does not exist" in msg
+    assert f"data.eval: {tmp_path / 'nope-eval.jsonl'} does not exist" in msg
+    assert f"model.omni_checkpoint: {tmp_path / 'no-model'} does not exist" in msg
+    unset = load_config(None, [f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="data.train is not set"):
+        check_paths(unset)
+
+
+def test_train_cli_is_one_line_for_missing_inputs(tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        cli.main,
+        ["train", "--set", f"run.dir={tmp_path}/run", "--set", f"data.train={tmp_path}/x.jsonl"],
+    )
+    assert res.exit_code == 1, res.output
+    assert res.output.count("\n") == 1 and res.output.startswith("Error: data.train:")
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "run").exists()  # nothing was made
+
+
+# ------------------------------------------------------------ the CLI's one error-handling layer
+def _raising(exc: BaseException) -> click.Command:
+    @click.command("boom")
+    def boom() -> None:
+        raise exc
+
+    return boom
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device", "/x/y"), "OSError: [Errno 28]"),
+        (FileNotFoundError(errno.ENOENT, "No such file", "/missing"), "/missing"),
+        (ValueError("data.train: bad row\nsecond line"), "data.train: bad row; second line"),
+        (RuntimeError("basic_ios::clear: iostream error"), "iostream error"),
+        (KeyError("thing"), "internal error (KeyError: 'thing'); rerun with --debug"),
+    ],
+)
+def test_every_error_is_one_line_without_traceback(
+    monkeypatch: pytest.MonkeyPatch, exc: BaseException, expected: str
+) -> None:
+    fake = dict(cli._command_entry_points())
+    monkeypatch.setattr(cli, "_command_entry_points", lambda: fake)
+    monkeypatch.setattr(cli.EntryPointGroup, "get_command", lambda self, ctx, name: _raising(exc))
+    res = CliRunner().invoke(cli.main, ["boom"])
+    assert res.exit_code == 1
+    assert res.output.count("\n") == 1 and expected in res.output, res.output
+    debug = CliRunner().invoke(cli.main, ["--debug", "boom"])
+    assert debug.exception is exc  # --debug lets the traceback through
