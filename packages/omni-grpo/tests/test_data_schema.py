@@ -126,8 +126,10 @@ def test_bom_tolerated_and_ids_default(tmp_path: Path) -> None:
 def test_not_utf8_names_file_and_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     p = tmp_path / "latin1.jsonl"
     p.write_bytes(
-        json.dumps(GOOD).encode() + b"\n" + json.dumps(GOOD | {"id": "\u00e9"}).encode("latin-1")
-        .replace(b"\\u00e9", b"\xe9") + b"\n"
+        json.dumps(GOOD).encode()
+        + b"\n"
+        + json.dumps(GOOD | {"id": "\u00e9"}).encode("latin-1").replace(b"\\u00e9", b"\xe9")
+        + b"\n"
     )
     loaded = load_rows(p)
     assert loaded.counters() == {"skipped_rows": 1, "skipped_rows_not_utf8": 1}

@@ -45,7 +45,17 @@ def _non_empty_path(value: Any) -> Any:
     return value
 
 
+def _non_empty_spec(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        for item in value:
+            _non_empty_path(item)
+        return value
+    return _non_empty_path(value)
+
+
 PathField = Annotated[Path, BeforeValidator(_non_empty_path)]
+# A dataset: one path (file, glob, ``save_to_disk`` dir) or a list of them.
+DatasetSpec = Annotated[Path | list[Path], BeforeValidator(_non_empty_spec)]
 
 # A config key whose value must never be printed: the last segment of its dotted path matches.
 SECRET_KEY = re.compile(
@@ -140,8 +150,8 @@ class DataConfig(_Strict):
     and counted (``data/skipped_rows``); only a split with no usable row is an error.
     """
 
-    train: PathField | list[PathField] | None = None
-    eval: PathField | list[PathField] | None = None
+    train: DatasetSpec | None = None
+    eval: DatasetSpec | None = None
     root: PathField | None = Field(
         None,
         description="media root; media paths are confined to it (default: the train file's dir, "
@@ -567,7 +577,9 @@ def format_validation_error(
     (got 1); ...``. The value is echoed only when it is a plain scalar of a non-secret key."""
     parts = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        # union members add pydantic's own tags ("function-before[...]", "list[...]") to loc
+        loc = [p for p in e["loc"] if not any(c in str(p) for c in "[(")]
+        path = ".".join(str(p) for p in loc) or "<root>"
         got = e.get("input")
         hide = e["type"] == "missing" or _looks_secret(tuple(e["loc"]), got)
         got_s = "" if hide else f" (got {got!r})"
