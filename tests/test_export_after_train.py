@@ -64,9 +64,9 @@ def test_train_then_export_loads_as_qwen3_omni(tmp_path: Path) -> None:
     train(cfg, progress=False)
     assert (run_dir / "config.yaml").is_file()
     out = tmp_path / "exported"
-    result = CliRunner().invoke(main, ["export", str(run_dir), "--dst", str(out), "--quiet"])
+    result = CliRunner().invoke(main, ["export", str(run_dir), "--dst", str(out)])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output.strip().splitlines()[-1])["step"] == 2
+    assert json.loads(result.stdout.strip().splitlines()[-1])["step"] == 2  # bar on stderr
 
     model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         out, dtype=torch.float32, output_loading_info=True
@@ -96,7 +96,19 @@ def test_train_then_export_loads_as_qwen3_omni(tmp_path: Path) -> None:
     from_ckpt = CliRunner().invoke(main, ["eval", *sets])
     from_export = CliRunner().invoke(main, ["eval", *sets, "--exported", str(out)])
     assert from_ckpt.exit_code == 0 and from_export.exit_code == 0, from_export.output
-    a = json.loads(from_ckpt.output.strip().splitlines()[-1])
-    b = json.loads(from_export.output.strip().splitlines()[-1])
+    a = json.loads(from_ckpt.stdout.strip().splitlines()[-1])
+    b = json.loads(from_export.stdout.strip().splitlines()[-1])
     assert b.pop("exported") == str(out) and a.pop("checkpoint") and b.pop("checkpoint") is None
     assert a == b and a
+    # and the trainer's own layout, evaluated with the run's audio tower
+    vl = tmp_path / "exported-vl"
+    assert (
+        CliRunner()
+        .invoke(main, ["export", str(run_dir), "--dst", str(vl), "--format", "vl"])
+        .exit_code
+        == 0
+    )
+    from_vl = CliRunner().invoke(main, ["eval", *sets, "--exported", str(vl)])
+    assert from_vl.exit_code == 0, from_vl.output
+    c = json.loads(from_vl.stdout.strip().splitlines()[-1])
+    assert c.pop("exported") == str(vl) and c.pop("checkpoint") is None and c == a

@@ -107,6 +107,10 @@ class ExportPlan:
     def total_bytes(self) -> int:
         return sum(t.planned.nbytes for t in self.tensors)
 
+    @property
+    def outputs(self) -> list[ExportTensor]:  # the name omni_extract.progress counts
+        return self.tensors
+
 
 @dataclass(frozen=True)
 class ExportResult:
@@ -445,11 +449,12 @@ def export_trained(
     shard_size: int | None = None,
     overwrite: bool = False,
     provenance: dict[str, Any] | None = None,
-    progress: ProgressFn | None = None,
+    progress: bool | ProgressFn = False,
 ) -> ExportResult:
     """Write ``trained`` over the base checkpoint ``base`` into ``dst`` (see the module docstring).
 
-    ``provenance`` (run directory, step, ...) goes into the marker file. Raises an
+    ``provenance`` (run directory, step, ...) goes into the marker file. ``progress``: ``True``
+    for a rich progress bar, or a ``(bytes, tensors)`` callback. Raises an
     :class:`omni_extract.errors.ExtractError` naming the mismatch; ``dst`` is then untouched.
     """
     base_path, dst_path = Path(base), Path(dst)
@@ -461,7 +466,13 @@ def export_trained(
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst_path.name}.tmp-", dir=dst_path.parent))
     try:
-        shards = stream_export(source, plan, trained, tmp, progress)
+        if progress is True:
+            from omni_extract.progress import rich_progress
+
+            with rich_progress(plan, f"{fmt} export -> {dst_path.name}", stderr=True) as cb:  # type: ignore[arg-type]
+                shards = stream_export(source, plan, trained, tmp, cb)
+        else:
+            shards = stream_export(source, plan, trained, tmp, progress or None)
         _write_side_files(source, fmt, dtype, tmp)
         marker = {
             "version": MARKER_VERSION,

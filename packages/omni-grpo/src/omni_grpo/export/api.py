@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
-from omni_extract.export import ExportFormat, ExportResult, export_trained
+from omni_extract.export import ExportFormat, ExportResult, ProgressFn, export_trained
 from omni_extract.plan import DtypeChoice
 from omni_extract.source import open_source
 from omni_extract.trained import NoTrained, TrainedWeights
@@ -30,7 +29,7 @@ def export_run(
     dtype: DtypeChoice = "keep",
     shard_size: int | None = None,
     overwrite: bool = False,
-    progress: Any = None,
+    progress: bool | ProgressFn = False,
 ) -> tuple[ExportResult, RunCheckpoint]:
     """Export checkpoint ``step`` of ``run_dir`` (default: the newest complete one) to ``dst``.
 

@@ -72,18 +72,17 @@ def export_command(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--shard-size") from None
     try:
-        with _progress(quiet) as progress:
-            result, ckpt = export_run(
-                run_dir,
-                dst,
-                step=step,
-                fmt=fmt,  # type: ignore[arg-type]
-                base=base,
-                dtype=dtype,  # type: ignore[arg-type]
-                shard_size=size,
-                overwrite=overwrite,
-                progress=progress,
-            )
+        result, ckpt = export_run(
+            run_dir,
+            dst,
+            step=step,
+            fmt=fmt,  # type: ignore[arg-type]
+            base=base,
+            dtype=dtype,  # type: ignore[arg-type]
+            shard_size=size,
+            overwrite=overwrite,
+            progress=not quiet,
+        )
     except (ExportError, ExtractError, CheckpointError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     if ckpt.path is None:
@@ -101,37 +100,3 @@ def export_command(
             }
         )
     )
-
-
-class _progress:
-    """A byte-progress bar on stderr (rich), or nothing with ``--quiet``."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self._bar = None
-
-    def __enter__(self):  # noqa: ANN204 - returns the callback or None
-        if self.quiet:
-            return None
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-        self._bar = Progress(
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self._bar.start()
-        task = self._bar.add_task("export", total=None)
-        bar = self._bar
-
-        def advance(nbytes: int, ntensors: int) -> None:
-            bar.update(task, advance=nbytes)
-
-        return advance
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
