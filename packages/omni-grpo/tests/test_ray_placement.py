@@ -156,7 +156,7 @@ _RAY_SCRIPT = """
 import json, os, sys
 import ray
 from omni_grpo.config import MegatronConfig, RolloutConfig, SglangOmniConfig, TrainerConfig
-from omni_grpo.ray import plan_placement
+from omni_grpo.ray import plan_placement, rank_env
 from omni_grpo.ray.placement import actor_options, create_placement_group
 
 trainer = TrainerConfig(backend="megatron", device="cuda", megatron=MegatronConfig(tp=2, ep=2, sp=True))
@@ -164,12 +164,13 @@ rollout = RolloutConfig(engine="sglang-omni", sglang=SglangOmniConfig(urls=["htt
 plan = plan_placement(trainer, rollout, trainer_gpus=4)
 ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
 pg = create_placement_group(plan, timeout_s=60)
-opts = actor_options(plan, 3, pg, "127.0.0.1", 29500)
+opts = actor_options(plan, 3, pg)
+env = rank_env(plan, 3, "127.0.0.1", 29500)
 
 table = ray.util.placement_group_table(pg)
 
 # (tasks are not launched: worker start-up needs more than this CI box's 2 cores allow in time)
-print(json.dumps({"rank": opts["runtime_env"]["env_vars"]["RANK"], "gpus": opts["num_gpus"], "state": table["state"],
+print(json.dumps({"rank": env["RANK"], "gpus": opts["num_gpus"], "state": table["state"],
                   "bundles": len(table["bundles"]), "bundle": opts["scheduling_strategy"].placement_group_bundle_index}), flush=True)
 ray.shutdown()
 os._exit(0)  # ray's atexit hooks can outlive the test otherwise

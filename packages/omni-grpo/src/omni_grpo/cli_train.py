@@ -38,7 +38,15 @@ def train_command(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    result = train(cfg, resume=resume, progress=not no_progress)
+    from omni_grpo.ray.driver import ActorFailure
+    from omni_grpo.ray.placement import PlacementError
+
+    try:
+        result = train(cfg, resume=resume, progress=not no_progress)
+    except ActorFailure as err:  # an actor of a multi-process run died or raised
+        raise click.ClickException(str(err)) from None
+    except PlacementError as err:
+        raise click.UsageError(str(err)) from None
     summary = {
         "run_dir": str(result.run_dir),
         "steps": result.steps,

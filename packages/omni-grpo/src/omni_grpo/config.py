@@ -694,12 +694,57 @@ def build_config(cfg_dict: dict[str, Any], source: str | None = None) -> OmniGRP
         raise ConfigError(format_validation_error(err, source, cfg_dict)) from None
 
 
+def _read_yaml(file: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The mapping in ``file`` with its relative paths resolved against its own directory.
+
+    ``extends: other.yaml`` (relative to ``file``) starts from that file's tree and deep-merges
+    this one over it, so a variant (``examples/tiny-ray.yaml``) says only what differs from its
+    base and follows the base's recipe when that changes.
+    """
+    if not file.is_file():
+        raise ConfigError(f"config file not found: {file}")
+    try:
+        loaded = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        # Only the problem and its position: YAML's own message quotes the offending line,
+        # which may be the one holding the admin key.
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"{file}: not valid YAML: {problem}{where}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{file}: top level must be a mapping, got {type(loaded).__name__}")
+    parent = loaded.pop("extends", None)
+    _resolve_paths(loaded, file.resolve().parent)
+    if parent is None:
+        return loaded
+    if not isinstance(parent, str):
+        raise ConfigError(f"{file}: extends must be a file name, got {parent!r}")
+    base_file = (file.resolve().parent / parent).resolve()
+    if base_file in chain:
+        raise ConfigError(f"{file}: extends {parent} makes a cycle")
+    return _deep_merge(_read_yaml(base_file, (*chain, file.resolve())), loaded)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def load_config(
     path: str | os.PathLike[str] | None, overrides: list[str] | tuple[str, ...] = ()
 ) -> OmniGRPOConfig:
     """Load a YAML config, apply dotted overrides, resolve relative paths against the file's dir.
 
     ``path=None`` starts from the defaults (overrides still apply; paths resolve against the cwd).
+    A file may start from another with ``extends: base.yaml`` (see ``_read_yaml``).
     """
     raw: dict[str, Any] = {}
     base = Path.cwd()
@@ -707,22 +752,7 @@ def load_config(
     if path is not None:
         file = Path(path)
         source = str(file)
-        if not file.is_file():
-            raise ConfigError(f"config file not found: {file}")
-        try:
-            loaded = yaml.safe_load(file.read_text())
-        except yaml.YAMLError as err:
-            # Only the problem and its position: YAML's own message quotes the offending line,
-            # which may be the one holding the admin key.
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or type(err).__name__
-            raise ConfigError(f"{file}: not valid YAML: {problem}{where}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{file}: top level must be a mapping, got {type(loaded).__name__}")
-        raw = loaded
+        raw = _read_yaml(file)
         base = file.resolve().parent
     raw = apply_overrides(raw, overrides)
     _resolve_paths(raw, base)

@@ -28,6 +28,7 @@ import torch
 
 from omni_grpo.algo import group_advantages
 from omni_grpo.backends import create_backend
+from omni_grpo.ray.placement import plan_run
 from omni_grpo.rewards import score_sample
 from omni_grpo.rollout import IN_PROCESS, create_engine
 from omni_grpo.run.checkpoint import (
@@ -194,19 +195,29 @@ def score_groups(groups: list[list[Completion]], rewards_cfg: Any) -> torch.Tens
     return out
 
 
+EVAL_CHUNK = 32
+
+
 def evaluate(
     engine: Any, dataset: OmniDataset, sampling: Any, rewards_cfg: Any, max_samples: int | None
 ) -> dict[str, float]:
-    """Held-out accuracy (mean reward of one greedy completion) per modality and overall."""
+    """Held-out accuracy (mean reward of one greedy completion) per modality and overall.
+
+    Prompts go to the engine ``EVAL_CHUNK`` at a time: a remote engine or rollout actors work on
+    them concurrently, and the in-process engine generates them one after another as before.
+    """
     per: dict[str, list[float]] = defaultdict(list)
     n = len(dataset) if max_samples is None else min(max_samples, len(dataset))
-    for i in range(n):
-        prompt = dataset.load(i)
-        if prompt is None:
+    for start in range(0, n, EVAL_CHUNK):
+        rows = (dataset.load(i) for i in range(start, min(n, start + EVAL_CHUNK)))
+        prompts = [p for p in rows if p is not None]
+        if not prompts:
             continue
-        (completion,) = engine.generate([prompt], 1, sampling)[0]
-        reward = float(score_sample(prompt.sample, completion.text, rewards_cfg))
-        per[prompt.sample.modality].append(reward)
+        for prompt, (completion,) in zip(
+            prompts, engine.generate(prompts, 1, sampling), strict=True
+        ):
+            reward = float(score_sample(prompt.sample, completion.text, rewards_cfg))
+            per[prompt.sample.modality].append(reward)
     out = {f"eval/accuracy/{m}": float(np.mean(v)) for m, v in sorted(per.items())}
     if per:
         out["eval/accuracy/all"] = float(np.mean([x for v in per.values() for x in v]))
@@ -309,25 +320,44 @@ def train(
     # the checkpoint factory reseeds torch, so seeding earlier would make runs differ.
     seed_everything(cfg.run.seed)
 
-    # --- backend (owns the weights) and rollout engine
-    backend: TrainerBackend = create_backend(
-        cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
-    )
-    banned = media_token_ids(backend.policy)
-    engine = create_engine(
-        cfg.rollout,
-        policy=backend.policy,
-        eos_token_ids=eos_ids,
-        banned_token_ids=banned,
-        decode_fn=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        device=str(backend.device),
-        vocab_size=len(tokenizer),
-    )
-    sync = None
-    if cfg.rollout.engine not in IN_PROCESS:  # remote engines need the new weights after each step
-        from omni_grpo.sync import make_weight_sync
+    # --- backend (owns the weights), rollout engine and weight sync: in this process, or, when
+    # the plan spans several processes, Ray actors behind stand-ins with the same interfaces
+    # (omni_grpo.ray.driver); nothing below this block can tell the difference.
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
 
-        sync = make_weight_sync(cfg.rollout.sglang, run_dir=run_dir)
+    backend: TrainerBackend
+    ray_run = None
+    if plan_run(cfg).distributed:
+        from omni_grpo.ray.driver import start_ray_run
+
+        ray_run = start_ray_run(
+            cfg,
+            run_dir,
+            pad_token_id=pad_id,
+            eos_token_ids=eos_ids,
+            decode_fn=decode,
+            vocab_size=len(tokenizer),
+        )
+        backend, engine, sync = ray_run.backend, ray_run.engine, ray_run.sync
+    else:
+        backend = create_backend(
+            cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
+        )
+        engine = create_engine(
+            cfg.rollout,
+            policy=backend.policy,
+            eos_token_ids=eos_ids,
+            banned_token_ids=media_token_ids(backend.policy),
+            decode_fn=decode,
+            device=str(backend.device),
+            vocab_size=len(tokenizer),
+        )
+        sync = None
+        if cfg.rollout.engine not in IN_PROCESS:  # remote engines need new weights after each step
+            from omni_grpo.sync import make_weight_sync
+
+            sync = make_weight_sync(cfg.rollout.sglang, run_dir=run_dir)
     sampling = cfg.rollout.sampling.to_sampling()
     eval_sampling = cfg.rollout.eval_sampling.to_sampling()
 
@@ -362,6 +392,14 @@ def train(
         state.cursor = sampler.cursor
         save_checkpoint(run_dir, state, backend.trainable_state(), backend.optimizer_state())
 
+    def push_weights(version: str) -> dict[str, float]:
+        """New weights to an engine that holds its own copy (servers, rollout actors); the
+        in-process embedded engine samples from the trainer's module and needs none."""
+        if sync is None:
+            return {}
+        weights, layout = backend.weights_for_sync()
+        return sync.push(weights, version=version, layout=layout).metrics()
+
     def run_eval() -> dict[str, float]:
         if eval_set is None or cfg.eval.every == 0:
             return {}
@@ -377,6 +415,8 @@ def train(
         watch.replay(read_metrics(run_dir))  # the logger kept exactly the checkpoint's steps
     last_eval: dict[str, float] = {}
     try:
+        if ckpt is not None:  # an engine with its own weights starts from the checkpoint's
+            push_weights(f"step-{state.step}")
         # --- optional format warm-up (once per run, before step 1)
         warm = cfg.trainer.warmup
         if warm is not None and warm.steps > 0 and not state.warmup_done:
@@ -392,6 +432,7 @@ def train(
                 cfg.rollout.prompts_per_step,
             )
             state.warmup_done = True
+            push_weights("warmup")  # the engine must sample (and evaluate) the warmed-up policy
             logger.log(
                 0,
                 {
@@ -427,11 +468,10 @@ def train(
                     GRPOBatch(groups, advantages, temperature=sampling.temperature)
                 )
                 t_train = time.perf_counter() - t1
-                # weight sync (remote engines only; the embedded engine shares the module)
+                # weight sync (engines with their own copy; the embedded engine shares the module)
                 if sync is not None:
                     try:
-                        weights, layout = backend.weights_for_sync()
-                        report = sync.push(weights, version=f"step-{step}", layout=layout)
+                        metrics.update(push_weights(f"step-{step}"))
                     except Exception:
                         # The sync retried what it could; keep the step's update before stopping.
                         state.step = step
@@ -443,7 +483,6 @@ def train(
                             step,
                         )
                         raise
-                    metrics.update(report.metrics())
                 # metrics / eval / checkpoint
                 metrics.update(rollout_metrics(groups, rewards))
                 metrics.update(watch.update(step, metrics))
@@ -471,6 +510,8 @@ def train(
             sync.close()
         engine.close()  # remote engines hold HTTP connection pools
         backend.close()
+        if ray_run is not None:
+            ray_run.close()
     plots = plot_run(run_dir) if cfg.run.plots and state.step == cfg.run.steps else []
     return TrainResult(run_dir, state.step, last_eval, plots, time.perf_counter() - t_start)
 

@@ -338,10 +338,12 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = 600.0) -> Any
     return pg
 
 
-def actor_options(
-    plan: PlacementPlan, rank: int, pg: Any, master_addr: str, master_port: int
-) -> dict[str, Any]:
-    """``.options(**...)`` for the trainer actor of ``rank``: its bundle, its GPU, its env."""
+def actor_options(plan: PlacementPlan, rank: int, pg: Any) -> dict[str, Any]:
+    """``.options(**...)`` for the trainer actor of ``rank``: its bundle and its GPU.
+
+    The torch.distributed environment (:func:`rank_env`) is handed to the actor's ``setup``
+    instead of a per-actor ``runtime_env``: rank 0's address is only known once it runs.
+    """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = plan.bundles[plan.ranks[rank].bundle_index]
@@ -351,5 +353,4 @@ def actor_options(
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=plan.ranks[rank].bundle_index
         ),
-        "runtime_env": {"env_vars": rank_env(plan, rank, master_addr, master_port)},
     }
