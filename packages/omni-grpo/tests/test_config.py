@@ -266,3 +266,19 @@ def test_eval_ablations_are_modality_names() -> None:
     assert load_config(None, ["eval.ablations=[audio, all]"]).eval.ablations == ["audio", "all"]
     with pytest.raises(ConfigError, match="eval.ablations.0"):
         load_config(None, ["eval.ablations=[text]"])
+def test_extends_merges_over_the_base_and_resolves_each_files_paths(tmp_path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "base.yaml").write_text(
+        "run: {dir: runs/x, steps: 7}\nrollout: {n_samples: 4, prompts_per_step: 3}\n"
+    )
+    (tmp_path / "child.yaml").write_text(
+        "extends: base/base.yaml\nrollout: {n_samples: 6}\ndata: {train: rows.jsonl}\n"
+    )
+    cfg = load_config(tmp_path / "child.yaml")
+    assert cfg.run.steps == 7 and cfg.run.dir == base / "runs" / "x"
+    assert (cfg.rollout.n_samples, cfg.rollout.prompts_per_step) == (6, 3)
+    assert cfg.data.train == tmp_path / "rows.jsonl"
+    (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "loop.yaml")

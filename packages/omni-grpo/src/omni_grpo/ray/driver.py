@@ -206,9 +206,12 @@ class RayTrainerGroup:
         return self.actors.get(refs, range(len(refs)), what)
 
     def step(self, batch: Any) -> dict[str, float]:
-        from omni_grpo.algo.shard import shard_batch
+        if self.plan.dp == 1:
+            shards = [batch]
+        else:
+            from omni_grpo.algo.shard import shard_batch
 
-        shards = shard_batch(batch, self.plan.dp)
+            shards = shard_batch(batch, self.plan.dp)
         # model-parallel ranks of one data-parallel replica see the same shard
         per_rank = [shards[r.dp_rank] for r in self.plan.ranks]
         return self._all("step", "step", per_rank)[0]
