@@ -312,3 +312,46 @@ def test_checkpoint_split_over_several_files_reads_as_one(run, tmp_path):
     # the same tensor in two rank files is refused, naming it (never pick one silently)
     save_file({names[0]: weights[names[0]]}, str(ckpt / "model-rank00002.safetensors"))
     _one_line_error(*_cli(str(split), "--dst", str(tmp_path / "dup"), "--quiet"), names[0])
+
+
+def test_checkpoint_directory_given_directly(run, tmp_path):
+    ckpt = run.run_dir / "checkpoints" / "step_000003"
+    code, output = _cli(str(ckpt), "--dst", str(tmp_path / "a"), "--quiet")
+    assert code == 0 and json.loads(output.strip().splitlines()[-1])["step"] == 3, output
+    _one_line_error(
+        *_cli(str(ckpt), "--dst", str(tmp_path / "b"), "--step", "2", "--quiet"), "--step 2"
+    )
+
+
+def test_sharded_megatron_checkpoints_are_refused_naming_the_tensor(run, omni, tmp_path):
+    """An expert-parallel shard (experts missing) or a tensor-parallel slice (wrong shape)."""
+    text = json.loads((omni / "config.json").read_text())["thinker_config"]["text_config"]
+    lm = {k: v for k, v in run.weights.items() if not k.startswith("model.visual.")}
+    mega_run = make_trained_run(tmp_path / "mrun", omni, scale=0.0)
+    target = mega_run.checkpoint / "model.safetensors"
+    sequential = megatron_state(lm, text, grouped=False)
+    ep_shard = {k: v for k, v in sequential.items() if ".local_experts.3." not in k}
+    save_file(ep_shard, str(target))
+    _one_line_error(
+        *_cli(str(mega_run.run_dir), "--dst", str(tmp_path / "o"), "--quiet"), "lacks experts [3]"
+    )
+    grouped = megatron_state(lm, text, grouped=True)
+    name = "decoder.layers.0.self_attention.linear_proj.weight"
+    grouped[name] = grouped[name].chunk(2, dim=1)[0].contiguous()  # a TP=2 slice
+    save_file(grouped, str(target))
+    _one_line_error(
+        *_cli(str(mega_run.run_dir), "--dst", str(tmp_path / "o"), "--quiet"), "o_proj", "shape"
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_base_names_the_stored_config(run, tmp_path):
+    import shutil
+
+    moved = tmp_path / "run"
+    shutil.copytree(run.run_dir, moved)
+    cfg = (moved / "config.yaml").read_text().replace(str(run.omni), str(tmp_path / "gone"))
+    (moved / "config.yaml").write_text(cfg)
+    _one_line_error(
+        *_cli(str(moved), "--dst", str(tmp_path / "o"), "--quiet"), "config.yaml", "--base"
+    )

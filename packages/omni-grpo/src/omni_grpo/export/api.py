@@ -11,12 +11,14 @@ from omni_extract.source import open_source
 from omni_extract.trained import NoTrained, TrainedWeights
 
 from omni_grpo.export.run import (
+    ExportError,
     RunCheckpoint,
     check_complete,
     default_base,
     find_checkpoint,
     open_trained,
 )
+from omni_grpo.run.stored_config import CONFIG_FILE
 
 
 def export_run(
@@ -36,9 +38,14 @@ def export_run(
     ``base`` defaults to the run's own ``model.omni_checkpoint``. Raises
     :class:`omni_grpo.export.run.ExportError` or an ``omni_extract`` error naming what is wrong.
     """
-    run = Path(run_dir)
-    ckpt = find_checkpoint(run, step)
+    ckpt = find_checkpoint(Path(run_dir), step)
+    run = ckpt.run_dir
     base_dir = Path(base) if base is not None else default_base(run)
+    if base is None and not (base_dir / "config.json").is_file():
+        raise ExportError(
+            f"the run's base {base_dir} (model.omni_checkpoint in {run / CONFIG_FILE}) has no "
+            "config.json; pass --base with the Qwen3-Omni checkpoint the run started from"
+        )
     source = open_source(base_dir)
     trained: TrainedWeights
     if ckpt.path is None:

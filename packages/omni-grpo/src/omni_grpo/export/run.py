@@ -49,10 +49,38 @@ def _step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
+def run_of(path: Path) -> tuple[Path, int | None]:
+    """A run directory, or one of its checkpoint directories (``<run>/checkpoints/step_N``)."""
+    if path.name.startswith("step_") and path.parent.name == "checkpoints":
+        try:
+            return path.parent.parent, _step_of(path)
+        except ValueError:
+            pass
+    return path, None
+
+
+def _read_state(path: Path) -> None:
+    state = path / STATE_FILE
+    try:
+        raw = json.loads(state.read_text())
+        int(raw["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ExportError(
+            f"checkpoint {path} is incomplete: {STATE_FILE} unreadable ({exc})"
+        ) from None
+
+
 def find_checkpoint(run_dir: Path, step: int | None) -> RunCheckpoint:
     """``--step N`` (0 = untrained), else the newest complete checkpoint; refuse incomplete ones."""
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist")
+    run_dir, given = run_of(run_dir)
+    if given is not None:
+        if step is not None and step != given:
+            raise ExportError(
+                f"--step {step} contradicts the checkpoint directory step_{given:06d}"
+            )
+        step = given
     root = run_dir / "checkpoints"
     dirs = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
     complete = [p for p in dirs if (p / STATE_FILE).is_file()]
@@ -73,6 +101,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> RunCheckpoint:
         )
     else:
         return RunCheckpoint(run_dir, 0, None)  # nothing trained yet: the base is the policy
+    _read_state(path)
     return RunCheckpoint(run_dir, _step_of(path), path, weight_files(path))
 
 
