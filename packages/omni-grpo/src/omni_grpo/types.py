@@ -140,6 +140,12 @@ class TrainerBackend(Protocol):
       (``trainable_state`` / ``optimizer_state``) is written by rank 0 only and loaded
       (``load_*``) on every rank.
 
+    Set-up order on a rank: ``torch.cuda.set_device(local_rank)`` (GPU), then
+    ``torch.distributed.init_process_group()`` from the env, then build the backend (the factory
+    of ``omni_grpo.backends``): the torch backend broadcasts rank 0's initial weights when it is
+    built and uses the default world as its data-parallel group. Its step's cost in one process
+    is unchanged (every collective is skipped for a world of 1).
+
     Model-parallel backends (Megatron TP/EP) additionally export collectively: every rank of the
     model-parallel group must drain ``weights_for_sync()``'s iterator, and only the driver pushes.
     """

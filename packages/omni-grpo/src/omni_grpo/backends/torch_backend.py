@@ -1,4 +1,5 @@
-"""The torch backend: one GRPO update of ``load_thinker(...)`` on CPU or a single GPU.
+"""The torch backend: one GRPO update of ``load_thinker(...)`` on CPU or GPUs, data-parallel when
+``torch.distributed`` is initialised with more than one rank.
 
 ``step(batch)`` reads top to bottom: split the step's completions into micro-batches (rows of one
 prompt, at most ``micro_batch_size`` each, so no prompt padding and the multimodal positions are
@@ -17,6 +18,20 @@ forward ARE the recompute under the rollout weights (bit-identical, no second fo
 epochs a no-grad pass computes them first. They are compared to the engine's logprobs for the
 mismatch metrics and, with ``algo.tis.enabled``, importance-weighted against them. A frozen
 reference copy exists only when ``algo.kl_coef != 0``.
+
+Data parallelism (``torch.distributed`` initialised before the backend is built, world > 1; gloo
+on CPU, NCCL on GPU): every rank holds the whole model and steps on its shard of the batch
+(``omni_grpo.algo.shard.shard_batch``). The initial weights are broadcast from rank 0; the loss
+normalisers and the signal flag are all-reduced before the first forward
+(``omni_grpo.algo.step.global_counts``); after the last micro-batch the gradients are SUMMED over
+the ranks in flat buckets, then clipped and applied identically everywhere, and the metrics are
+merged across ranks — so loss, grad norm and updated weights equal the single-process step on the
+whole batch (fp32: within 1e-5). The gradients are reduced once per step after local
+accumulation, as the Megatron backend's ``finalize_grads`` does, rather than through
+``DistributedDataParallel``'s backward hooks: ranks legitimately run different numbers of
+micro-batches (zero for an empty shard), and media-tower parameters may be unused on one rank and
+used on another — both are what DDP's reducer cannot take without a dummy forward, and a
+parameter no rank touched must keep ``grad=None`` (AdamW then leaves it alone, as in one process).
 """
 
 from __future__ import annotations
@@ -27,12 +42,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from omni_grpo.algo import entropy_from_logits, grpo_loss, token_logprobs_from_logits
 from omni_grpo.algo.step import (
     MetricSums,
     StepDecision,
     current_lr,
+    dp_world_size,
     global_counts,
     local_counts,
     should_step,
@@ -55,6 +72,36 @@ class MicroBatch:
     rollout_logp: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B]
     prompt_len: int
+
+
+# Gradient all-reduce buckets: big enough to amortise a collective's latency, small enough that
+# the flat copy is a fraction of the model's gradient memory.
+_BUCKET_BYTES = 64 << 20
+
+
+def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype tensors of at most ``max_bytes`` (one tensor may exceed it)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not out or out[-1][0].dtype != t.dtype or size + nbytes > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+def _broadcast(t: torch.Tensor, group: Any, device: torch.device) -> None:
+    """``t`` from the group's first rank, in place (through ``device`` when gloo needs the CPU)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    if t.device == device:
+        dist.broadcast(t, src=src, group=group)
+        return
+    buf = t.detach().to(device)
+    dist.broadcast(buf, src=src, group=group)
+    t.copy_(buf)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -106,7 +153,6 @@ class TorchBackend:
     """``TrainerBackend`` over an in-process ``OmniThinker`` (the module the embedded engine samples)."""
 
     name = "torch"
-    is_driver = True
 
     def __init__(
         self,
@@ -116,6 +162,7 @@ class TorchBackend:
         *,
         pad_token_id: int,
         device: torch.device | None = None,
+        dp_group: Any = None,
     ) -> None:
         self.model = model
         self.cfg = trainer
@@ -123,6 +170,19 @@ class TorchBackend:
         self.pad_token_id = int(pad_token_id)
         self.device = device or resolve_device(trainer.device)
         self.model.to(self.device)
+        # Data parallel over ``dp_group`` (None: the default world) when torch.distributed is up.
+        self.dp_group = dp_group
+        self.dp_size = dp_world_size(dp_group)
+        # where the step's collectives live: gloo takes CPU tensors, NCCL the rank's GPU
+        self.collective_device = (
+            self.device
+            if self.dp_size == 1 or dist.get_backend(dp_group) == "nccl"
+            else torch.device("cpu")
+        )
+        if self.dp_size > 1:
+            with torch.no_grad():  # one starting point on every rank, as DDP guarantees
+                for t in [*model.parameters(), *model.buffers()]:
+                    _broadcast(t, self.dp_group, self.collective_device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (everything is frozen)")
@@ -139,8 +199,11 @@ class TorchBackend:
             for p in self.reference.parameters():
                 p.requires_grad_(False)
         self.steps_done = 0
-        # where the step's small collectives (counts) live: gloo takes CPU tensors, NCCL the GPU's
-        self.collective_device = self.device
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 of the data-parallel world (or the only process) drives and checkpoints."""
+        return self.dp_size == 1 or dist.get_rank(self.dp_group) == 0
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -181,7 +244,7 @@ class TorchBackend:
         mbs = make_micro_batches(
             batch.groups, batch.advantages, self.cfg.micro_batch_size, self.pad_token_id
         )
-        counts = global_counts(local_counts(batch), self.collective_device)
+        counts = global_counts(local_counts(batch), self.collective_device, self.dp_group)
         old: list[torch.Tensor | None] = [None] * len(mbs)
         if self.cfg.ppo_epochs > 1:
             with torch.no_grad():
@@ -219,23 +282,54 @@ class TorchBackend:
                 )
                 loss.backward()
                 sums.add(m, float(mb.mask.sum()))
+            self._sum_gradients()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
             decisions.append(should_step(grad_norm, counts.has_signal, self.algo))
             if decisions[-1] == "step":
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return step_metrics(sums, counts, grad_norm, decisions, current_lr(self.optimizer))
+        return step_metrics(
+            sums.reduce(self.dp_group), counts, grad_norm, decisions, current_lr(self.optimizer)
+        )
+
+    def _sum_gradients(self) -> None:
+        """Sum every trainable parameter's gradient over the data-parallel ranks (no-op alone).
+
+        One flag per parameter says whether any rank has a gradient for it; those that no rank
+        touched keep ``grad=None`` so AdamW skips them exactly as it would in one process.
+        """
+        if self.dp_size == 1:
+            return
+        dev = self.collective_device
+        present = torch.tensor([p.grad is not None for p in self.params], device=dev).float()
+        dist.all_reduce(present, group=self.dp_group)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for bucket in _buckets(grads, _BUCKET_BYTES):
+            flat = torch.cat([g.reshape(-1) for g in bucket]).to(dev)
+            dist.all_reduce(flat, group=self.dp_group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for p, g, n in zip(self.params, grads, present.tolist(), strict=True):
+            p.grad = g if n > 0 else None
 
     def supervised_step(
         self, prompts: list[PromptInputs], targets: list[list[int]], lr: float
     ) -> float:
-        """One cross-entropy step on ``targets`` (format warm-up); returns the mean token NLL."""
+        """One cross-entropy step on ``targets`` (format warm-up); returns the mean token NLL.
+
+        Data-parallel: each rank passes its share of the prompts; the token count is all-reduced
+        so the update is the single-process one."""
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = float(sum(len(t) for t in targets))
+        local = torch.tensor([float(sum(len(t) for t in targets)), 0.0], dtype=torch.float64).to(
+            self.collective_device
+        )
+        total_tokens = float(self._all_reduce(local.clone())[0])
         nll_sum = 0.0
         for prompt, target in zip(prompts, targets, strict=True):
             comp = Completion(
@@ -246,13 +340,21 @@ class TorchBackend:
             loss = -logp[mb.mask.to(self.device)].sum() / total_tokens
             loss.backward()
             nll_sum += float(loss.detach()) * total_tokens
+        self._sum_gradients()
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr
+        local[1] = nll_sum
+        nll_sum = float(self._all_reduce(local)[1])
         return nll_sum / max(total_tokens, 1.0)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
 
     # ------------------------------------------------------------------ sync, checkpoint
     def weights_for_sync(self) -> tuple[NamedTensors, SourceLayout]:

@@ -11,6 +11,8 @@
   stand-in weight-sync receiver.
 * :mod:`omni_grpo.testing.export` — a run directory with a "trained" checkpoint (torch backend)
   and the same weights under the Megatron backend's names, for export tests.
+* :mod:`omni_grpo.testing.data_parallel` — a local gloo world of spawned processes
+  (``run_world``) and the torch backend's steps on one rank, for the data-parallel equivalence test.
 
 Nothing in the product imports this package; tests, benchmarks and device runs do.
 """
