@@ -14,7 +14,7 @@ import pytest
 import torch
 from omni_extract import extract
 from omni_grpo.models import load_thinker
-from omni_grpo.models.generation import to_left_padding
+from omni_grpo.models.generation import generate, to_left_padding
 from omni_grpo.testing.models import Ids, build_batch
 
 TOL = 1e-5
@@ -70,11 +70,17 @@ def test_sampled_logprobs_match_teacher_forced(thinker, padding_side):
     batch = build_batch(SAMPLES, _ids(thinker), padding_side, seed=7)
     ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
     kw = {"max_new_tokens": 10, "temperature": 0.7, "top_k": 50, "top_p": 0.95}
-    first = thinker.generate(ids, mask, generator=torch.Generator().manual_seed(0), **kw, **batch)
+    first = generate(thinker, ids, mask, generator=torch.Generator().manual_seed(0), **kw, **batch)
     # Stop on the token row 0 drew third: row 0 must now stop early, others may run to the end.
     stop = int(first.tokens[0, 2])
-    result = thinker.generate(
-        ids, mask, generator=torch.Generator().manual_seed(0), stop_token_ids=[stop], **kw, **batch
+    result = generate(
+        thinker,
+        ids,
+        mask,
+        generator=torch.Generator().manual_seed(0),
+        stop_token_ids=[stop],
+        **kw,
+        **batch,
     )
     assert result.finish_reasons[0] == "stop" and int(result.lengths[0]) <= 3
     assert result.tokens[0, : result.lengths[0]].tolist()[-1] == stop
@@ -86,7 +92,7 @@ def test_sampled_logprobs_match_teacher_forced(thinker, padding_side):
 def test_greedy_equals_teacher_forced_argmax(thinker):
     batch = build_batch(SAMPLES, _ids(thinker), "left", seed=8)
     ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
-    result = thinker.generate(ids, mask, max_new_tokens=6, temperature=0.0, **batch)
+    result = generate(thinker, ids, mask, max_new_tokens=6, temperature=0.0, **batch)
     _, _, logits = _teacher_forced_logprobs(thinker, ids, mask, result, batch, 0.0)
     logits = logits.clone()
     logits[..., thinker.sideband.banned_ids] = float("-inf")
@@ -120,7 +126,7 @@ def test_placeholders_are_never_sampled(thinker):
     with torch.no_grad():
         biased.lm_head.weight[audio] = biased.lm_head.weight.abs().max() * 50
     ids = torch.tensor([TXT, TXT])
-    allowed = biased.generate(ids, max_new_tokens=5, temperature=1.0, suppress_token_ids=[])
+    allowed = generate(biased, ids, max_new_tokens=5, temperature=1.0, suppress_token_ids=[])
     assert (allowed.tokens == audio).any()  # the bias works
-    result = biased.generate(ids, max_new_tokens=5, temperature=1.0)
+    result = generate(biased, ids, max_new_tokens=5, temperature=1.0)
     assert not torch.isin(result.tokens, torch.tensor(thinker.sideband.banned_ids)).any()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from omni_extract import extract
 from omni_grpo.models import load_thinker
+from omni_grpo.models.generation import generate
 from omni_grpo.testing.models import Ids, build_batch
 
 pytestmark = [
@@ -93,7 +94,8 @@ def test_cuda_generation_logprobs(setup):
     thinker = load_thinker(vl, dtype="float32", device="cuda")
     batch = _cuda(build_batch(_samples(True), ids, "left", seed=13))
     input_ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
-    res = thinker.generate(
+    res = generate(
+        thinker,
         input_ids,
         mask,
         max_new_tokens=8,

@@ -15,6 +15,7 @@ import torch
 from omni_audio_inject import MissingAudioTowerError, PlaceholderCountError
 from omni_extract import extract, to_server_tensors
 from omni_grpo.models import load_thinker
+from omni_grpo.models.saving import save_thinker
 from omni_grpo.testing.models import Ids, build_batch
 from safetensors import safe_open
 
@@ -119,7 +120,7 @@ def test_save_round_trip_without_the_tower(root, tmp_path):
     batch.pop("labels")
     with torch.no_grad():
         before = thinker(**batch).logits
-    saved = thinker.save_pretrained(tmp_path / "ckpt")
+    saved = save_thinker(thinker, tmp_path / "ckpt")
     keys = set()
     for file in saved.glob("*.safetensors"):
         with safe_open(file, "pt") as f:
@@ -131,7 +132,7 @@ def test_save_round_trip_without_the_tower(root, tmp_path):
     with torch.no_grad():
         assert torch.equal(reloaded(**batch).logits, before)
     with pytest.raises(FileExistsError):
-        thinker.save_pretrained(saved)
+        save_thinker(thinker, saved)
 
 
 def test_count_mismatch_names_both_counts(root):
@@ -170,23 +171,25 @@ def test_missing_tower_is_named_only_when_audio_is_used(root, tmp_path):
 def test_not_a_vl_checkpoint(tiny_omni_dir):
     with pytest.raises(ValueError, match="omni_sideband"):
         load_thinker(tiny_omni_dir)
-    with pytest.raises(ValueError, match="backend 'nope'"):
-        load_thinker(tiny_omni_dir, backend="nope")
 
 
-def test_bare_vl_object_carries_the_omni_rope_override(root):
-    """``thinker.vl`` called directly (no audio) gets Omni positions from omni-rope's override."""
+def test_training_path_leaves_hf_rope_alone_and_the_override_still_fits(root):
+    """``load_thinker`` does not patch HF's rope (the forward passes explicit positions); omni-rope's
+    override stays a leaf feature that bare-HF users install on ``thinker.vl`` themselves."""
+    from omni_rope import OmniRopeConfig, install_omni_rope
+
     thinker = load_thinker(root / "vl", dtype="float32")
     samples = [[("text", TXT), ("image", (1, 4, 4)), ("video", (3, 4, 4), 0.75), ("text", TXT)]]
     gen = json.loads((thinker.source_dir / "generation_config.json").read_text())
     batch = build_batch(samples, Ids.from_sideband(thinker.sideband.raw, gen["pad_token_id"]))
-    with torch.no_grad():
-        ours = thinker(**batch).logits
-        bare = thinker.vl(**batch).logits
-    assert torch.equal(ours, bare)
-    thinker.rope_handle.remove()
     with pytest.raises(ValueError, match="mm_token_type_ids"):  # plain VL: no Omni rope
         thinker.vl(**batch)
+    with torch.no_grad():
+        ours = thinker(**batch).logits
+        handle = install_omni_rope(thinker.vl, OmniRopeConfig.from_vl_config(thinker.config))
+        bare = thinker.vl(**batch).logits
+    assert torch.equal(ours, bare)
+    handle.remove()
 
 
 def test_tower_straight_from_the_omni_checkpoint(root, tiny_omni_dir):

@@ -129,6 +129,38 @@ def test_paths_resolve_relative_to_config_file(
     assert cfg.model.extracted_dir == sub / "../runs/a" / "model" / "vl"
 
 
+def test_path_fields_come_from_the_annotations() -> None:
+    """Every ``Path``-annotated field is resolved, found by walking the models (nothing hand-kept)."""
+    from omni_grpo.config import PATH_FIELDS, path_fields
+    from pydantic import BaseModel
+
+    assert set(PATH_FIELDS) >= {
+        ("run", "dir"),
+        ("model", "extracted_dir"),
+        ("data", "train"),
+        ("data", "root"),
+        ("rollout", "sglang", "sync_dir"),
+        ("rollout", "sglang", "launch", "model_path"),
+    }
+
+    class Inner(BaseModel):
+        where: Path | None = None
+        many: list[Path] = []
+        name: str = ""
+
+    class Outer(BaseModel):
+        inner: Inner | None = None
+        out: Path = Path(".")
+
+    assert list(path_fields(Outer)) == [("inner", "where"), ("inner", "many"), ("out",)]
+
+
+def test_list_of_paths_resolves_each_entry(tmp_path: Path) -> None:
+    p = _write(tmp_path, "data:\n  train: [a/t1.jsonl, /abs/t2.jsonl]\n")
+    cfg = load_config(p)
+    assert cfg.data.train == [tmp_path / "a/t1.jsonl", Path("/abs/t2.jsonl")]
+
+
 def test_override_paths_also_resolve(tmp_path: Path) -> None:
     p = _write(tmp_path, "")
     cfg = load_config(p, ["data.train=x/t.jsonl"])

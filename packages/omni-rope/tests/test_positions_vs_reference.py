@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from omni_rope import get_rope_index
+from omni_rope import get_rope_index, positions_from_mm
 from omni_rope.testing import batches
 
 SETTINGS = settings(
@@ -125,3 +125,36 @@ def test_cuda_matches_cpu(data, rope_config, host_max_tokens, monkeypatch):
     gpu = get_rope_index(b.input_ids.cuda(), b.attention_mask.cuda(), rope_config, **kw)
     assert gpu[0].device.type == "cuda" and gpu[1].device.type == "cuda"
     assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
+
+
+def _processor_mm(b) -> dict[str, torch.Tensor]:
+    """The batch as the Omni processor hands it to the thinker forward (frame masks, not lengths)."""
+    mm: dict[str, torch.Tensor] = {}
+    if b.image_grid_thw is not None:
+        mm["image_grid_thw"] = b.image_grid_thw
+    if b.video_grid_thw is not None:
+        mm["video_grid_thw"] = b.video_grid_thw
+    if b.second_per_grids is not None:
+        mm["video_second_per_grid"] = b.second_per_grids
+    if b.audio_seqlens is not None:
+        lengths = torch.as_tensor(b.audio_seqlens)
+        frames = int(lengths.max()) if lengths.numel() else 0
+        mm["feature_attention_mask"] = (torch.arange(frames) < lengths[:, None]).long()
+    return mm
+
+
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_positions_from_processor_tensors_match_reference(data, rope_config, reference_thinker):
+    """``positions_from_mm`` (the dict the thinker forward takes) positions like the reference."""
+    b = data.draw(batches(rope_config))
+    ours = positions_from_mm(
+        b.input_ids,
+        b.attention_mask,
+        _processor_mm(b),
+        rope_config,
+        use_audio_in_video=b.use_audio_in_video,
+    )
+    assert_identical(ours, reference(reference_thinker, b))

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -658,31 +658,45 @@ def apply_overrides(
     return out
 
 
+def _annotation_parts(annotation: Any) -> Iterator[Any]:
+    """``annotation`` and everything nested in it (``Path | list[Path] | None`` -> Path, list, ...)."""
+    yield annotation
+    for arg in get_args(annotation):
+        yield from _annotation_parts(arg)
+
+
+def path_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Dotted paths of every field annotated with ``Path`` (alone, optional or in a list), found by
+    walking the config models, so a new path field is resolved without being listed anywhere."""
+    for name, info in model.model_fields.items():
+        sub = _submodel(info.annotation)
+        if sub is not None:
+            yield from path_fields(sub, (*prefix, name))
+        elif any(t is Path for t in _annotation_parts(info.annotation)):
+            yield (*prefix, name)
+
+
 # Fields holding paths, resolved relative to the config file's directory.
-_PATH_FIELDS: tuple[tuple[str, ...], ...] = (
-    ("run", "dir"),
-    ("model", "omni_checkpoint"),
-    ("model", "extracted_dir"),
-    ("model", "audio_dir"),
-    ("data", "train"),
-    ("data", "eval"),
-    ("data", "root"),
-    ("rollout", "sglang", "sync_dir"),
-    ("rollout", "sglang", "launch", "model_path"),
-)
+PATH_FIELDS: tuple[tuple[str, ...], ...] = tuple(path_fields(OmniGRPOConfig))
+
+
+def _resolve_one(value: Any, base: Path) -> Any:
+    if isinstance(value, list):
+        return [_resolve_one(v, base) for v in value]
+    if isinstance(value, str | os.PathLike) and str(value).strip() != "":
+        p = Path(os.path.expanduser(str(value)))
+        return str(p if p.is_absolute() else (base / p))
+    return value
 
 
 def _resolve_paths(cfg_dict: dict[str, Any], base: Path) -> None:
-    for path in _PATH_FIELDS:
+    """Resolve every path field (``PATH_FIELDS``) of a raw config dict against ``base``."""
+    for path in PATH_FIELDS:
         node: Any = cfg_dict
         for p in path[:-1]:
             node = node.get(p) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            continue
-        value = node.get(path[-1])
-        if isinstance(value, str | os.PathLike) and str(value).strip() != "":
-            p = Path(os.path.expanduser(str(value)))
-            node[path[-1]] = str(p if p.is_absolute() else (base / p))
+        if isinstance(node, dict) and path[-1] in node:
+            node[path[-1]] = _resolve_one(node[path[-1]], base)
 
 
 def build_config(cfg_dict: dict[str, Any], source: str | None = None) -> OmniGRPOConfig:

@@ -1,7 +1,8 @@
 """omni-rope: Qwen3-Omni TM-RoPE position ids (text, image, video, audio, audio-in-video).
 
 ``get_rope_index`` is the pure core, identical to transformers' Omni reference and vectorised;
-``install_omni_rope`` makes a HF Qwen3-VL-MoE model use it.
+``positions_from_mm`` calls it with the Omni processor's media tensors as they are;
+``install_omni_rope`` makes a bare HF Qwen3-VL-MoE model use it (for HF ``generate`` users).
 """
 
 from omni_rope.config import OmniRopeConfig
@@ -16,6 +17,7 @@ from omni_rope.layout import (
     video_segment_ids,
 )
 from omni_rope.positions import get_rope_index
+from omni_rope.processed import positions_from_mm
 
 __all__ = [
     "OmniRopeConfig",
@@ -29,5 +31,6 @@ __all__ = [
     "image_segment_ids",
     "install_omni_rope",
     "next_position_ids",
+    "positions_from_mm",
     "video_segment_ids",
 ]

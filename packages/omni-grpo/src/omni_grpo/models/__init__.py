@@ -4,9 +4,11 @@
   (omni-rope) + the frozen audio tower (omni-audio-inject).
 * :class:`OmniThinker` — its forward takes the Omni thinker's inputs and returns ``.logits``;
   helpers for the trainer: ``trainable_parameter_names()``, ``sync_state_dict()``,
-  ``save_pretrained()``, ``gradient_checkpointing_enable()``; KV-cached decoding via
-  ``forward(..., cache=...)`` (positions continue from the prefill's rope deltas) or
-  ``OmniThinker.generate`` (:mod:`omni_grpo.models.generation`: token ids + per-token logprobs).
+  ``gradient_checkpointing_enable()``; KV-cached decoding via ``forward(..., cache=...)``
+  (positions continue from the prefill's rope deltas).
+* :func:`omni_grpo.models.generation.generate` (token ids + per-token logprobs) and
+  :func:`omni_grpo.models.saving.save_thinker` (a reloadable ``vl`` checkpoint) take the thinker
+  as their first argument: they build on it, so it does not import them back.
 * :mod:`omni_grpo.testing.models` — hand-built Omni batches (placeholders expanded like the
   processor) for tests and benchmarks.
 """

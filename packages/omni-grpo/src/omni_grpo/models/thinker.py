@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from omni_audio_inject import AudioInjector, PlaceholderCountError, audio_output_lengths
+from omni_rope import OmniRopeConfig, positions_from_mm
 from torch import nn
 
 from omni_grpo.models.positions import decode_positions
@@ -57,7 +58,7 @@ class OmniThinker(nn.Module):
         vl: nn.Module,
         sideband: OmniSideband,
         injector: AudioInjector,
-        rope_index: Any,
+        rope_config: OmniRopeConfig,
         source_dir: Path,
         audio_dir: Path | None,
     ) -> None:
@@ -68,7 +69,7 @@ class OmniThinker(nn.Module):
         object.__setattr__(self, "_vl", vl)  # not a child: its children are already ours
         self.sideband = sideband
         self.audio = injector
-        self.rope_index = rope_index
+        self.rope_config = rope_config
         self.source_dir = Path(source_dir)
         self.audio_dir = Path(audio_dir) if audio_dir is not None else None
         self.rope_deltas: torch.Tensor | None = None
@@ -114,16 +115,17 @@ class OmniThinker(nn.Module):
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        audio_seqlens = None
-        if feature_attention_mask is not None:
-            audio_seqlens = feature_attention_mask.sum(-1)
-        return self.rope_index(
+        media = {
+            "image_grid_thw": image_grid_thw,
+            "video_grid_thw": video_grid_thw,
+            "video_second_per_grid": video_second_per_grid,
+            "feature_attention_mask": feature_attention_mask,
+        }
+        return positions_from_mm(
             input_ids,
             attention_mask,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            video_second_per_grid=video_second_per_grid,
-            audio_seqlens=audio_seqlens,
+            {k: v for k, v in media.items() if v is not None},
+            self.rope_config,
             use_audio_in_video=use_audio_in_video,
         )
 
@@ -279,21 +281,3 @@ class OmniThinker(nn.Module):
         """Activation checkpointing of the decoder layers (delegates to the VL model)."""
         enable = getattr(self._vl, "activation_checkpointing_enable", None)
         (enable or self._vl.gradient_checkpointing_enable)(**kwargs)
-
-    def save_pretrained(self, dst: str | Path, **kwargs: Any) -> Path:
-        """Write a ``vl``-layout checkpoint that :func:`load_thinker` reloads (atomically).
-
-        The audio tower is not saved (it is frozen and lives in its own directory); its location is
-        recorded so ``load_thinker(dst)`` finds it again.
-        """
-        from omni_grpo.models.saving import save_thinker
-
-        return save_thinker(self, Path(dst), **kwargs)
-
-    def generate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
-    ) -> Any:
-        """KV-cached sampling; see :func:`omni_grpo.models.generation.generate`."""
-        from omni_grpo.models.generation import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)

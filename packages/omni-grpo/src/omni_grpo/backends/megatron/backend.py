@@ -68,21 +68,11 @@ from omni_grpo.types import GRPOBatch, NamedTensors, PromptInputs, SourceLayout
 # ----------------------------------------------------------------------------- batch -> rows
 def completion_positions(prompt: PromptInputs, token_ids: list[int], rope_cfg: Any) -> torch.Tensor:
     """``[3, L]`` positions of prompt + response (omni-rope over the whole row, media from the prompt)."""
-    from omni_rope import get_rope_index
+    from omni_rope import positions_from_mm
 
-    mm = prompt.mm
     ids = torch.tensor([list(prompt.input_ids) + list(token_ids)])
-    pos, _ = get_rope_index(
-        ids,
-        None,
-        rope_cfg,
-        image_grid_thw=mm.get("image_grid_thw"),
-        video_grid_thw=mm.get("video_grid_thw"),
-        second_per_grids=mm.get("video_second_per_grid"),
-        audio_seqlens=mm["feature_attention_mask"].sum(-1)
-        if "feature_attention_mask" in mm
-        else None,
-        use_audio_in_video=prompt.use_audio_in_video,
+    pos, _ = positions_from_mm(
+        ids, None, prompt.mm, rope_cfg, use_audio_in_video=prompt.use_audio_in_video
     )
     return pos[:, 0]
 

@@ -38,7 +38,7 @@ def mm_batch(
     cfg: dict[str, Any], seed: int = 0, rows: int = 2
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """Two rows of text + image (1x4x4) + video (2x4x4) + audio (300 mel frames); positions from omni-rope."""
-    from omni_rope import OmniRopeConfig, get_rope_index
+    from omni_rope import OmniRopeConfig, positions_from_mm
 
     from omni_grpo.models.sideband import parse_sideband
 
@@ -67,15 +67,7 @@ def mm_batch(
         "input_features": torch.randn(rows, 128, 300, generator=g),
         "feature_attention_mask": torch.ones(rows, 300, dtype=torch.long),
     }
-    pos, _ = get_rope_index(
-        ids,
-        None,
-        OmniRopeConfig.from_vl_config(cfg),
-        image_grid_thw=mm["image_grid_thw"],
-        video_grid_thw=mm["video_grid_thw"],
-        second_per_grids=mm["video_second_per_grid"],
-        audio_seqlens=mm["feature_attention_mask"].sum(-1),
-    )
+    pos, _ = positions_from_mm(ids, None, mm, OmniRopeConfig.from_vl_config(cfg))
     return ids, mm, pos
 
 
