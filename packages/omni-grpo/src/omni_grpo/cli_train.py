@@ -16,6 +16,12 @@ from omni_grpo.data.ablation import ABLATIONS
 @click.command("train")
 @config_options
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in run.dir.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace the run already in run.dir (its checkpoints, metrics, TensorBoard events; the "
+    "prepared model/ and data/ are kept).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
 @click.option(
     "--plan",
@@ -27,7 +33,7 @@ from omni_grpo.data.ablation import ABLATIONS
     "--gpus", type=int, default=None, help="With --plan: refuse a plan needing more GPUs than this."
 )
 def train_command(
-    cfg: Any, resume: bool, no_progress: bool, plan_only: bool, gpus: int | None
+    cfg: Any, resume: bool, overwrite: bool, no_progress: bool, plan_only: bool, gpus: int | None
 ) -> None:
     """Run GRPO as configured: prepare the model and data, then train, evaluate and checkpoint."""
     if plan_only:
@@ -42,7 +48,7 @@ def train_command(
     from omni_grpo.ray.placement import PlacementError
 
     try:
-        result = train(cfg, resume=resume, progress=not no_progress)
+        result = train(cfg, resume=resume, overwrite=overwrite, progress=not no_progress)
     except ActorFailure as err:  # an actor of a multi-process run died or raised
         raise click.ClickException(str(err)) from None
     except PlacementError as err:

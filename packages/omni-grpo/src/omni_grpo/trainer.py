@@ -43,6 +43,13 @@ from omni_grpo.run.health import SignalWatch
 from omni_grpo.run.metrics import MetricsLogger, read_metrics
 from omni_grpo.run.plots import plot_run
 from omni_grpo.run.progress import TrainProgress
+from omni_grpo.run.rundir import (
+    check_resume,
+    claim_run_dir,
+    clean_stale_temps,
+    config_fingerprint,
+    run_temp_parents,
+)
 from omni_grpo.run.stored_config import store_run_config
 from omni_grpo.types import Completion, GRPOBatch, PromptInputs, TrainerBackend
 
@@ -288,17 +295,24 @@ def train(
     cfg: OmniGRPOConfig,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
 ) -> TrainResult:
     """Run GRPO as configured. ``stop_after`` ends the run early after that step (as a kill would,
-    but cleanly: used by the resume test); a later ``resume=True`` call continues to ``run.steps``."""
+    but cleanly: used by the resume test); a later ``resume=True`` call continues to ``run.steps``.
+    A ``run.dir`` holding another run needs ``resume`` or ``overwrite`` (``omni_grpo.run.rundir``)."""
     t_start = time.perf_counter()
     from omni_grpo.config import check_paths
 
     check_paths(cfg)  # missing inputs fail here, in one line, before anything is made
     run_dir = Path(cfg.run.dir)
+    fingerprint = config_fingerprint(cfg)
+    claim_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    if resume:
+        check_resume(run_dir, fingerprint)
     run_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(run_temp_parents(cfg, run_dir))
     store_run_config(cfg, run_dir)  # export and humans read the run's base and settings from it
     configure_threads()
 
@@ -379,6 +393,7 @@ def train(
             "resume requested but %s has no checkpoint; starting from scratch",
             run_dir / "checkpoints",
         )
+    state.extra["config"] = fingerprint  # stored in every checkpoint, checked on resume
     sampler = EpochSampler(len(train_set), cfg.run.seed, data_cfg.shuffle, state.cursor)
     logger = MetricsLogger(
         run_dir,

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from omni_grpo.atomic_dir import staged_dir
+from omni_grpo.atomic_dir import (
+    DiskFullError,
+    check_free_space,
+    disk_full_message,
+    is_disk_full,
+    staged_dir,
+)
 
 STATE_FILE = "state.json"
 LATEST = "latest"
@@ -94,6 +100,21 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def checkpoint_bytes(weights: dict[str, torch.Tensor], optimizer: Any) -> int:
+    """What a checkpoint takes on disk, about: its tensors plus 1 MiB of metadata and RNG state."""
+    return _tensor_bytes(weights) + _tensor_bytes(optimizer) + (1 << 20)
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
@@ -113,14 +134,28 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(Path(run_dir), state.step)
-    # replace_existing: re-saving the same step (e.g. the final save after a periodic one).
-    with staged_dir(final, replace_existing=True) as tmp:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-        torch.save(optimizer, tmp / "optimizer.pt")
-        torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
-        payload = {"format": FORMAT_VERSION, **asdict(state)}
-        (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2))
-        _fsync_tree(tmp)
+    needed = checkpoint_bytes(weights, optimizer)
+    # Refuse up front rather than fill the disk and fail half-way through.
+    check_free_space(f"checkpoint {final.name}", root, needed)
+    try:
+        # replace_existing: re-saving the same step (e.g. the final save after a periodic one).
+        with staged_dir(final, replace_existing=True) as tmp:
+            save_file(
+                {k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors")
+            )
+            torch.save(optimizer, tmp / "optimizer.pt")
+            torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
+            payload = {"format": FORMAT_VERSION, **asdict(state)}
+            (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2))
+            _fsync_tree(tmp)
+    except DiskFullError:
+        raise
+    except Exception as exc:  # the temp dir is gone (staged_dir); say why the write failed
+        if is_disk_full(exc):
+            raise DiskFullError(
+                disk_full_message(f"checkpoint {final.name}", root, needed)
+            ) from exc
+        raise
     _fsync_dir(root)
     pointer_tmp = root / f".{LATEST}.tmp"
     pointer_tmp.write_text(final.name + "\n")

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +26,42 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
 
+def _complete_lines(path: Path) -> tuple[list[str], int]:
+    """The lines of ``path`` up to the first one that is not a whole JSON object (a kill in the
+    middle of a write leaves a half line at the end), and how many lines were cut."""
+    lines = path.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            return lines[:i], len(lines) - i
+    return lines, 0
+
+
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines, _ = _complete_lines(path)
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def truncate_metrics(run_dir: str | os.PathLike[str], last_step: int) -> None:
-    """Keep only lines with ``step <= last_step`` (atomically rewritten)."""
+    """Keep only complete lines with ``step <= last_step`` (atomically rewritten); a half-written
+    line (and anything after it) is dropped with one log line."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= last_step
-    ]
+    lines, cut = _complete_lines(path)
+    if cut:
+        log.warning(
+            "%s: dropped %d incomplete line(s) at the end (an interrupted write)", path, cut
+        )
+    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
@@ -69,14 +89,21 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             truncate_metrics(self.run_dir, resume_step)
-        elif (self.run_dir / METRICS_FILE).exists():
-            (self.run_dir / METRICS_FILE).unlink()
+        else:  # a fresh start in a directory the caller has claimed: no old steps may show
+            if (self.run_dir / METRICS_FILE).exists():
+                (self.run_dir / METRICS_FILE).unlink()
+            shutil.rmtree(self.run_dir / "tensorboard", ignore_errors=True)
         # A long-lived append handle, closed in close(): one line per step, flushed each time.
         self._file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115
         self._tb = None
         tb = optional("run.tensorboard") if tensorboard else None
         if tb is not None:
-            self._tb = tb.SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            # purge_step: TensorBoard drops the events of steps after the checkpoint that an
+            # interrupted run had already written, so resumed steps do not show twice.
+            self._tb = tb.SummaryWriter(
+                log_dir=str(self.run_dir / "tensorboard"),
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
         self._wandb = None
         wandb_mod = optional("run.wandb") if wandb else None
         if wandb_mod is not None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from omni_grpo.atomic_dir import DiskFullError, disk_full_message, is_disk_full
+
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "omni_grpo_weights.json"
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -49,8 +51,9 @@ def write_weights_dir(
     if dst.exists():
         raise FileExistsError(f"weight directory {dst} already exists; refusing to overwrite it")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".tmp-{dst.name}-{uuid.uuid4().hex[:8]}"
+    tmp = dst.parent / f".tmp-{dst.name}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    total = shard_size = 0
     try:
         weight_map: dict[str, str] = {}
         manifest: list[list] = []
@@ -101,8 +104,14 @@ def write_weights_dir(
         os.rename(tmp, dst)
         _fsync_dir(dst.parent)
         return info
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and not isinstance(exc, DiskFullError) and is_disk_full(exc):
+            raise DiskFullError(
+                disk_full_message(
+                    f"weight version {version!r}", dst.parent, total + shard_size, at_least=True
+                )
+            ) from exc
         raise
 
 
