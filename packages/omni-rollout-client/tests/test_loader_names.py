@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import httpx
-import torch
-from omni_rollout_client.testing import FakeOmniServer
-from omni_rollout_client.testing.loader_names import check_names
-from safetensors.torch import save_file
+import pytest
+
+torch = pytest.importorskip("torch")  # the package's own venv is torch-free
+from omni_rollout_client.testing import FakeOmniServer  # noqa: E402
+from omni_rollout_client.testing.loader_names import check_names  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 TEXT = {
     "hidden_size": 8,

@@ -78,7 +78,8 @@ def prepare_model(model: ModelConfig, run_dir: Path) -> tuple[Path, Path]:
         sizes = model.make_tiny.sizes
         spec = TinyOmniSpec(
             vocab=model.make_tiny.vocab,
-            seed=model.make_tiny.seed,
+            # None = "follow run.seed"; a ModelConfig used on its own has no run, so run.seed's default.
+            seed=0 if model.make_tiny.seed is None else model.make_tiny.seed,
             text=dict(sizes.get("text", {})),
             vision=dict(sizes.get("vision", {})),
             audio=dict(sizes.get("audio", {})),
@@ -105,7 +106,7 @@ def prepare_data(data: DataConfig, run_dir: Path) -> DataConfig:
 
     syn = data.synthetic
     train, evaluation = generate_synthetic(
-        run_dir / "data", syn.tasks, syn.n_train, syn.n_eval, syn.seed
+        run_dir / "data", syn.tasks, syn.n_train, syn.n_eval, 0 if syn.seed is None else syn.seed
     )
     return data.model_copy(update={"train": train, "eval": evaluation, "root": train.parent})
 
