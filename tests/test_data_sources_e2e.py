@@ -56,7 +56,6 @@ def _run(tmp_path: Path, name: str, train_spec: Path, eval_spec: Path, omni: Pat
             f"run.dir={run_dir}",
             f"run.steps={STEPS}",
             "run.seed=3",
-            "run.eval_every=0",
             f"eval.every={STEPS}",
             "run.save_every=0",
             "run.tensorboard=false",
