@@ -19,9 +19,11 @@ advantages, ``omni_grpo.types``) and:
 6. reports ``omni_grpo.algo.step.step_metrics`` (token-weighted means, lr from the optimizer), the
    same metric set as the torch backend.
 
-Scope, stated plainly: every rank of the model-parallel group (tp x ep) gets the SAME batch and
-runs ``step`` (collectives inside); the normalisers are that batch's counts. A data-parallel
-dimension over Megatron (dp > 1, each rank its shard) is not sharded here yet. Weight sync streams
+Ranks: every rank of one model-parallel replica (tp x ep) gets the SAME shard and runs ``step``
+(collectives inside); data-parallel replicas get their own shards (``omni_grpo.algo.shard``), and
+the normalisers, the signal flag and the metrics are reduced over megatron's data-parallel group,
+with gradients summed over it (``.grads``), as the torch backend does over its world. Only dp = 1
+has run on GPUs so far (tp 2 x ep 2 on two H200s); dp > 1 is written to the same rule. Weight sync streams
 the export generator (full HF tensors gathered across TP/EP tensor by tensor, in the ``vl_hub``
 layout) — every rank must drain it, the driver pushes it. The supervised format warm-up is
 refused with a clear error rather than approximated. There is no HF module for an embedded engine
@@ -43,10 +45,12 @@ from omni_grpo.algo.step import (
     MetricSums,
     StepDecision,
     current_lr,
+    global_counts,
     local_counts,
     should_step,
     step_metrics,
 )
+from omni_grpo.backends.megatron._mcore import mcore
 from omni_grpo.backends.megatron.batching import padded_length, plan_micro_batches
 from omni_grpo.backends.megatron.export import export_hf_weights
 from omni_grpo.backends.megatron.grads import finalize_grads, global_grad_norm
@@ -168,6 +172,12 @@ class MegatronBackend:
         """Rank 0 drives (data, rollouts, sync.push); the others only step and export."""
         return not dist.is_initialized() or dist.get_rank() == 0
 
+    def _dp_group(self) -> Any:
+        """Megatron's data-parallel group (None in a process without ``torch.distributed``)."""
+        if not dist.is_initialized():
+            return None
+        return mcore().parallel_state.get_data_parallel_group()
+
     # ------------------------------------------------------------------ forward helpers
     def _micro(self, rows: list[Row], idx: list[int]) -> dict[str, Any]:
         """Rows ``idx`` right-padded to one ``[B, S]`` block (``S`` a multiple of the SP size).
@@ -215,7 +225,8 @@ class MegatronBackend:
     def step(self, batch: GRPOBatch) -> dict[str, float]:
         """One optimizer step (``ppo_epochs`` updates) over every completion of ``batch``."""
         rows = completion_rows(batch, self.rope_cfg)
-        counts = local_counts(batch)
+        dp_group = self._dp_group()
+        counts = global_counts(local_counts(batch), self.device, dp_group)
         plan = plan_micro_batches([len(r.input_ids) for r in rows], self.mcfg.max_tokens_per_gpu)
         micros = [self._micro(rows, idx) for idx in plan]
         temperature = batch.temperature
@@ -256,7 +267,9 @@ class MegatronBackend:
             if decisions[-1] == "step":
                 self.optim.step(min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)))
             self.optim.zero_grad()
-        return step_metrics(sums, counts, norm, decisions, current_lr(self.optim.opt))
+        return step_metrics(
+            sums.reduce(dp_group), counts, norm, decisions, current_lr(self.optim.opt)
+        )
 
     def supervised_step(
         self, prompts: list[PromptInputs], targets: list[list[int]], lr: float

@@ -6,8 +6,12 @@ reductions Megatron's ``finalize_model_grads`` would do are done here, by the sa
 * TP-replicated params whose gradient is a partial sum over TP ranks are SUMMED over the TP group:
   everything tagged ``sequence_parallel`` under SP (norms, router: each rank saw a sequence chunk)
   and the q/k layernorms (each rank saw its own heads).
-* Dense params are AVERAGED over the data-parallel group, expert params (``allreduce=False``) over
-  the expert-data-parallel group.
+* Dense params are SUMMED over the data-parallel group, expert params (``allreduce=False``) over
+  the expert-data-parallel group — not averaged, because every data-parallel rank's loss is
+  already divided by the GLOBAL sample/token count of the step (``omni_grpo.algo.step``), so the
+  per-rank gradients are parts of one sum (megatron-core's per-token-loss mode does the same). A
+  parameter with a gradient on some ranks only (an expert no local token was routed to) joins
+  the sum as zeros there; one that no rank touched keeps ``grad=None``.
 
 The grad norm counts every distinct parameter element exactly once across the world.
 """
@@ -48,8 +52,23 @@ def _reduce(grads: list[torch.Tensor], group: object, op: dist.ReduceOp) -> None
         offset += g.numel()
 
 
+def _sum_over(params: list[nn.Parameter], group: object) -> None:
+    """Sum ``params``' gradients over ``group``; ``None`` joins as zeros and stays ``None`` only
+    when it is ``None`` on every rank (so every rank reduces the same flat buffer)."""
+    if not params or dist.get_world_size(group) == 1:
+        return
+    present = torch.tensor(
+        [p.grad is not None for p in params], dtype=torch.float32, device=params[0].device
+    )
+    dist.all_reduce(present, group=group)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    _reduce(grads, group, dist.ReduceOp.SUM)
+    for p, g, n in zip(params, grads, present.tolist(), strict=True):
+        p.grad = g if n > 0 else None
+
+
 def finalize_grads(model: nn.Module, sequence_parallel: bool) -> None:
-    """Make every rank's ``.grad`` the full, data-parallel-averaged gradient of its shard."""
+    """Make every rank's ``.grad`` the full gradient of its shard, summed over data parallelism."""
     ps = mcore().parallel_state
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.grad is not None]
     _reduce(
@@ -57,15 +76,9 @@ def finalize_grads(model: nn.Module, sequence_parallel: bool) -> None:
         ps.get_tensor_model_parallel_group(),
         dist.ReduceOp.SUM,
     )
-    dense = [p.grad for _, p in named if not _is_expert(p)]
-    expert = [p.grad for _, p in named if _is_expert(p)]
-    dp = ps.get_data_parallel_group()
-    edp = ps.get_expert_data_parallel_group()
-    for grads, group in ((dense, dp), (expert, edp)):
-        if dist.get_world_size(group) > 1:
-            _reduce(grads, group, dist.ReduceOp.SUM)
-            for g in grads:
-                g.div_(dist.get_world_size(group))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    _sum_over([p for p in trainable if not _is_expert(p)], ps.get_data_parallel_group())
+    _sum_over([p for p in trainable if _is_expert(p)], ps.get_expert_data_parallel_group())
 
 
 def global_grad_norm(model: nn.Module) -> torch.Tensor:
