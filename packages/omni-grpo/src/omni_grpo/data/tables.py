@@ -4,8 +4,9 @@ The list columns ``images`` / ``audios`` / ``videos`` hold the ``datasets`` feat
 ``{bytes, path}`` per item (what ``datasets.Image`` / ``Audio`` / ``Video`` store), so the file
 loads in ``datasets`` as well as here, and one file can be shipped instead of a hundred thousand
 small ones. The bytes are the files' own bytes (no re-encoding), so a row trains identically from
-the file and from the table. Written streaming, one row group of ``row_group`` rows at a time
-(memory: one group's media), atomically (temp file, then rename).
+the file and from the table. Written streaming, one row group at a time — at most ``row_group`` rows and
+``EMBED_ROW_GROUP_BYTES`` of media, since a reader fetching one row's media reads its whole row
+group's column chunk — atomically (temp file, then rename).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from omni_grpo.types import Sample
 # media type -> its list column
 COLUMN_OF: dict[str, str] = {t: c for c, t in MEDIA_COLUMNS.items()}
 EMBED_ROW_GROUP = 64
+EMBED_ROW_GROUP_BYTES = 16 << 20
 
 
 def embedded_schema() -> Any:
@@ -82,14 +84,17 @@ def write_embedded_parquet(
     try:
         with pq.ParquetWriter(tmp, schema) as writer:
             batch: list[dict[str, Any]] = []
+            size = 0
             for s in samples:
                 try:
-                    batch.append(embedded_record(s, root_p))
+                    rec = embedded_record(s, root_p)
                 except MediaError as err:
                     raise MediaError(err.reason, f"row {s.uid!r}: {err}") from None
-                if len(batch) == row_group:
+                batch.append(rec)
+                size += sum(len(it["bytes"]) for c in MEDIA_COLUMNS for it in rec[c])
+                if len(batch) == row_group or size >= EMBED_ROW_GROUP_BYTES:
                     writer.write_table(pa.Table.from_pylist(batch, schema))
-                    n, batch = n + len(batch), []
+                    n, batch, size = n + len(batch), [], 0
             if batch or n == 0:
                 writer.write_table(pa.Table.from_pylist(batch, schema))
                 n += len(batch)
