@@ -76,7 +76,9 @@ class OmniDataset:
 
     def ablated(self, name: str) -> OmniDataset:
         """The same rows with the media of ablation ``name`` replaced by neutral inputs."""
-        return OmniDataset(self.samples, self.root, self.builder.ablated(name))
+        ds = OmniDataset(self.samples, self.root, self.builder.ablated(name))
+        ds.loaded = self.loaded  # the same sources: embedded media are fetched from them
+        return ds
 
     def __len__(self) -> int:
         return len(self.samples)
