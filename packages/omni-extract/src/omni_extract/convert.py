@@ -238,21 +238,28 @@ def _shard_names(n: int) -> list[str]:
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def stream_weights(
-    source: OmniSource, plan: ExtractionPlan, out_dir: Path, progress: ProgressFn | None = None
-) -> tuple[str, ...]:
-    """Write the planned tensors into ``out_dir`` as sharded safetensors (+ index if >1 shard)."""
-    names = _shard_names(len(plan.shards))
-    report: ProgressFn = progress or (lambda nbytes, ntensors: None)
+EmitFn = Callable[[object, ShardWriter, "_Inputs", ThreadPoolExecutor, ProgressFn], None]
+
+
+def write_shards(
+    source: OmniSource,
+    shards: list[list],
+    names: list[str],
+    out_dir: Path,
+    emit: EmitFn,
+    report: ProgressFn,
+) -> dict[str, str]:
+    """Write each shard with a streaming writer, ``emit`` producing each planned tensor's bytes;
+    return the weight map. Shared by extraction and export (``omni_extract.export``)."""
     inputs = _Inputs(source.root, source.files)
     pool = ThreadPoolExecutor(max_workers=FUSE_THREADS, thread_name_prefix="omni-extract")
     weight_map: dict[str, str] = {}
     try:
-        for fname, shard in zip(names, plan.shards, strict=True):
+        for fname, shard in zip(names, shards, strict=True):
             writer = ShardWriter(out_dir / fname, [o.planned for o in shard], SAFETENSORS_METADATA)
             try:
                 for out in shard:
-                    _emit(out, writer, inputs, pool, report)
+                    emit(out, writer, inputs, pool, report)
                     weight_map[out.name] = fname
                 writer.close()
             except BaseException:
@@ -261,6 +268,16 @@ def stream_weights(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         inputs.close()
+    return weight_map
+
+
+def stream_weights(
+    source: OmniSource, plan: ExtractionPlan, out_dir: Path, progress: ProgressFn | None = None
+) -> tuple[str, ...]:
+    """Write the planned tensors into ``out_dir`` as sharded safetensors (+ index if >1 shard)."""
+    names = _shard_names(len(plan.shards))
+    report: ProgressFn = progress or (lambda nbytes, ntensors: None)
+    weight_map = write_shards(source, plan.shards, names, out_dir, _emit, report)
     if len(names) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -31,7 +31,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,13 +40,12 @@ import torch
 from omni_extract import configs
 from omni_extract.artifacts import copy_processor_artifacts
 from omni_extract.convert import (
-    FUSE_THREADS,
-    SAFETENSORS_METADATA,
     _check_destination,
     _emit,
     _Inputs,
     _install,
     _shard_names,
+    write_shards,
 )
 from omni_extract.errors import (
     DestinationExistsError,
@@ -349,26 +347,16 @@ def stream_export(
 ) -> tuple[str, ...]:
     """Write the plan's shards (and an index when the base had one or there are several)."""
     report: ProgressFn = progress or (lambda nbytes, ntensors: None)
-    inputs = _Inputs(source.root, source.files)
-    pool = ThreadPoolExecutor(max_workers=FUSE_THREADS, thread_name_prefix="omni-export")
-    weight_map: dict[str, str] = {}
-    try:
-        for fname, shard in zip(plan.shard_names, plan.shards, strict=True):
-            writer = ShardWriter(out_dir / fname, [t.planned for t in shard], SAFETENSORS_METADATA)
-            try:
-                for t in shard:
-                    if t.base is not None:
-                        _emit(t.base, writer, inputs, pool, report)
-                    else:
-                        _emit_trained(t, writer, trained, report)
-                    weight_map[t.name] = fname
-                writer.close()
-            except BaseException:
-                writer.abort()
-                raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        inputs.close()
+
+    def emit(
+        t: ExportTensor, writer: ShardWriter, inputs: _Inputs, pool: Any, rep: ProgressFn
+    ) -> None:
+        if t.base is not None:
+            _emit(t.base, writer, inputs, pool, rep)
+        else:
+            _emit_trained(t, writer, trained, rep)
+
+    weight_map = write_shards(source, plan.shards, plan.shard_names, out_dir, emit, report)  # type: ignore[arg-type]
     base_indexed = (source.root / INDEX_FILE).is_file()
     if len(plan.shard_names) > 1 or (plan.fmt == "omni" and base_indexed):
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}

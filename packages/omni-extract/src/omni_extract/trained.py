@@ -16,6 +16,7 @@ Qwen3-VL hub layout (``[E, H, 2I]`` / ``[E, I, H]``) needs a transpose, done per
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -46,10 +47,7 @@ class FileRange:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def read(self) -> torch.Tensor:
         fd = os.open(self.path, os.O_RDONLY)
@@ -110,9 +108,7 @@ class StoredTensor:
         if not 0 <= index < self.shape[0]:
             raise IndexError(f"{self.name}: index {index} outside dim 0 of {list(self.shape)}")
         sub = self.shape[1:]
-        step = self.dtype.itemsize
-        for d in sub:
-            step *= d
+        step = math.prod(sub) * self.dtype.itemsize
         return FileRange(self.path, self.offset + index * step, self.dtype, sub)
 
 

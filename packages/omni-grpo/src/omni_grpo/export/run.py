@@ -153,7 +153,7 @@ def default_base(run_dir: Path) -> Path:
     if omni:
         path = Path(omni)
         return path if path.is_absolute() else run_dir / path
-    return Path((cfg.get("run") or {}).get("dir") or run_dir) / "model" / "omni"
+    return run_dir / "model" / "omni"  # where train makes it (here, even if the run was moved)
 
 
 def open_trained(files: tuple[Path, ...], base: OmniSource) -> TrainedWeights:
