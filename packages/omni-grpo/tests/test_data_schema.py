@@ -109,8 +109,10 @@ def test_labels_among_choices_accepted(tmp_path: Path) -> None:
         GOOD | {"id": "1", "label": "(b)"},  # the forms the mcq reward normalises
         GOOD | {"id": "2", "label": "y", "reward": "answer_tag"},  # a choice's text
         {"id": "3", "prompt": "2+2", "label": "4", "reward": "math"},
+        {"id": "4", "prompt": "2+2", "label": 4, "reward": "math"},  # a number is its text
     ]
-    assert len(load_rows(_jsonl(tmp_path, rows)).samples) == 3
+    loaded = load_rows(_jsonl(tmp_path, rows))
+    assert [s.label for s in loaded.samples][2:] == ["4", "4"]
 
 
 def test_bom_tolerated_and_ids_default(tmp_path: Path) -> None:

@@ -86,10 +86,13 @@ class DatasetRow(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _id_as_string(cls, data: Any) -> Any:
+        """Integer ids, and numeric labels (a math answer ``42`` written as a number, an int
+        column of a table), are taken as their text; booleans are not numbers here."""
         if isinstance(data, dict):
-            for key in ("id", "uid"):
-                if isinstance(data.get(key), int):
-                    data = {**data, key: str(data[key])}
+            for key in ("id", "uid", "label"):
+                value = data.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    data = {**data, key: str(value)}
         return data
 
     @model_validator(mode="after")
