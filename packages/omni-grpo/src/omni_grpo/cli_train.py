@@ -122,12 +122,8 @@ def eval_command(
 
     if exported is not None:  # the exported model replaces the run's model and checkpoints
         from omni_grpo.export.evaluate import exported_model_config
-        from omni_grpo.export.run import ExportError
 
-        try:
-            cfg = exported_model_config(cfg, exported, click.get_current_context().call_on_close)
-        except ExportError as err:
-            raise click.UsageError(str(err)) from None
+        cfg = exported_model_config(cfg, exported, click.get_current_context().call_on_close)
         base = True
     check_paths(cfg)
     if checkpoint is not None and not checkpoint.is_dir():

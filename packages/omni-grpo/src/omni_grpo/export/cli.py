@@ -62,29 +62,25 @@ def export_command(
     Prints one JSON line: destination, step, format, tensors written and replaced.
     """
     from omni_extract.convert import parse_size
-    from omni_extract.errors import ExtractError
 
-    from omni_grpo.export import ExportError, export_run
-    from omni_grpo.run.checkpoint import CheckpointError
+    from omni_grpo.export import export_run
 
     try:
         size = parse_size(shard_size) if shard_size is not None else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--shard-size") from None
-    try:
-        result, ckpt = export_run(
-            run_dir,
-            dst,
-            step=step,
-            fmt=fmt,  # type: ignore[arg-type]
-            base=base,
-            dtype=dtype,  # type: ignore[arg-type]
-            shard_size=size,
-            overwrite=overwrite,
-            progress=not quiet,
-        )
-    except (ExportError, ExtractError, CheckpointError, OSError) as exc:
-        raise click.ClickException(str(exc)) from None
+    # bad input raises ExportError / omni_extract errors: the CLI's one error layer prints them
+    result, ckpt = export_run(
+        run_dir,
+        dst,
+        step=step,
+        fmt=fmt,  # type: ignore[arg-type]
+        base=base,
+        dtype=dtype,  # type: ignore[arg-type]
+        shard_size=size,
+        overwrite=overwrite,
+        progress=not quiet,
+    )
     if ckpt.path is None:
         click.echo(f"note: {run_dir} has no checkpoint; exported the untrained model", err=True)
     click.echo(
