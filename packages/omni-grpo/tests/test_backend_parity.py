@@ -32,7 +32,7 @@ from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.data.synthetic import generate_synthetic
 from omni_grpo.rollout.embedded import EmbeddedEngine
 from omni_grpo.trainer import media_token_ids, prepare_model
-from omni_grpo.types import GRPOBatch, SamplingConfig
+from omni_grpo.types import GRPOBatch, RolloutEngine, SamplingConfig, TrainerBackend
 from torch import nn
 
 # means over tokens that are linear in the micro-batch split (the nonlinear ones — Pearson,
@@ -57,6 +57,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = load_thinker(vl, audio_dir=audio)
     torch.manual_seed(0)
     engine = EmbeddedEngine(base, [eos], banned_token_ids=media_token_ids(base))
+    assert isinstance(engine, RolloutEngine)
     prompts = [ds.load(i) for i in range(3)]  # image, audio, video
     groups = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=4))
     groups[1][2].token_ids, groups[1][2].logprobs = [], []  # an empty completion counts too
@@ -151,6 +152,7 @@ def test_same_batch_same_step_on_cpu(
     mb = MegatronBackend(
         TorchThinkerAsMegatron(copy.deepcopy(world["base"])), _vl_config(world), mega_cfg, algo_cfg
     )
+    assert isinstance(tb, TrainerBackend) and isinstance(mb, TrainerBackend)  # the whole seam
     before = {n: p.detach().clone() for n, p in tb.model.named_parameters()}
     mt, mm = tb.step(batch), mb.step(batch)
     _assert_same(mt, mm, 1e-5)

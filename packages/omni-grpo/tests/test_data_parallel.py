@@ -71,9 +71,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = load_thinker(vl, audio_dir=audio)
     torch.manual_seed(0)
     engine = EmbeddedEngine(base, [eos], banned_token_ids=media_token_ids(base))
-    groups = engine.generate([ds.load(i) for i in range(3)], 4, SamplingConfig(max_new_tokens=4))
+    prompts = [ds.load(i) for i in range(3)]
+    groups = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=4))
     groups[2][1].token_ids, groups[2][1].logprobs = [], []  # an empty completion counts too
-    return {"vl": vl, "audio": audio, "groups": groups, "eos": eos}
+    return {"vl": vl, "audio": audio, "groups": groups, "eos": eos, "prompts": prompts}
 
 
 def test_two_gloo_ranks_equal_one_process(world: dict[str, Any]) -> None:
@@ -98,6 +99,11 @@ def test_two_gloo_ranks_equal_one_process(world: dict[str, Any]) -> None:
         AlgoConfig(**algo),
         pad_token_id=world["eos"],
     )
+    # the format warm-up first: rank 0 gets 2 prompts, rank 1 one (the driver splits the list)
+    prompts = world["prompts"]
+    targets = [[5, world["eos"]], [6, 7, world["eos"]], [world["eos"]]]
+    warm_nll = one.supervised_step(prompts, targets, 1e-3)
+    warmup = ([prompts[:2], prompts[2:]], [targets[:2], targets[2:]], 1e-3)
     ref = []
     for batch in steps:
         ref.append((one.step(batch), one.trainable_state()))
@@ -110,7 +116,9 @@ def test_two_gloo_ranks_equal_one_process(world: dict[str, Any]) -> None:
         algo,
         world["eos"],
         [shard_batch(b, 2) for b in steps],
+        warmup,
     )
+    assert [r["nll"] for r in ranks] == pytest.approx([warm_nll] * 2, abs=1e-5)
     assert [r["is_driver"] for r in ranks] == [True, False]
     assert [len(s.groups) for s in shard_batch(steps[1], 2)] == [1, 0]
     for s, (metrics, weights) in enumerate(ref):

@@ -77,10 +77,12 @@ def torch_backend_steps(
     algo_cfg: dict[str, Any],
     pad_token_id: int,
     shards: list[list[Any]],
+    warmup: tuple[list[Any], list[Any], float] | None = None,
 ) -> dict[str, Any]:
-    """On one rank: build the torch backend from the extracted checkpoint and run
-    ``step(shards[s][rank])`` for each step ``s``; returns the metrics of every step and the
-    trainable weights after each."""
+    """On one rank: build the torch backend from the extracted checkpoint, optionally run one
+    ``supervised_step(prompts[rank], targets[rank], lr)`` (``warmup``), then
+    ``step(shards[s][rank])`` for each step ``s``; returns the warm-up NLL, the metrics of every
+    step and the trainable weights after each."""
     from omni_grpo.backends.torch_backend import TorchBackend
     from omni_grpo.config import AlgoConfig, TrainerConfig
     from omni_grpo.models import load_thinker
@@ -89,8 +91,12 @@ def torch_backend_steps(
     backend = TorchBackend(
         model, TrainerConfig(**trainer_cfg), AlgoConfig(**algo_cfg), pad_token_id=pad_token_id
     )
+    nll = None
+    if warmup is not None:
+        prompts, targets, lr = warmup
+        nll = backend.supervised_step(prompts[rank], targets[rank], lr)
     metrics, weights = [], []
     for step in shards:
         metrics.append(backend.step(step[rank]))
         weights.append(backend.trainable_state())
-    return {"metrics": metrics, "weights": weights, "is_driver": backend.is_driver}
+    return {"nll": nll, "metrics": metrics, "weights": weights, "is_driver": backend.is_driver}
