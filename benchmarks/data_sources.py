@@ -121,7 +121,7 @@ def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
     """A parquet file of more than ``gb`` GB of embedded media, and the same rows as jsonl + files."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from omni_grpo.data.tables import EMBED_ROW_GROUP_BYTES, embedded_schema
+    from omni_grpo.data.tables import EMBED_ROW_GROUP_BYTES, embedded_schema, writer_options
 
     schema = embedded_schema()
     files = tmp / "stream_files"
@@ -130,7 +130,10 @@ def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
     rng = np.random.default_rng(1)
     row_bytes = STREAM_IMAGE_SIDE**2 * 3 + int(STREAM_AUDIO_SECONDS * 16000) * 2
     n_rows = int(gb * 1e9 / row_bytes) + 1
-    with pq.ParquetWriter(str(parquet), schema) as writer, jsonl.open("w") as jf:
+    with (
+        pq.ParquetWriter(str(parquet), schema, **writer_options()) as writer,
+        jsonl.open("w") as jf,
+    ):
         batch: list[dict[str, Any]] = []
         size = 0
         for k, (img, wav) in enumerate(_stream_rows(n_rows, rng)):

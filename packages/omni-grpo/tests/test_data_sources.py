@@ -199,3 +199,19 @@ def test_jsonl_media_lists_of_paths(tmp_path: Path) -> None:
         {"type": "audio", "path": "a.wav"},
     ]
     assert loaded.counters() == {"skipped_rows": 1, "skipped_rows_invalid": 1}
+
+
+def test_config_accepts_lists_globs_and_dirs(tmp_path: Path) -> None:
+    from omni_grpo.config import load_config
+
+    rows = [{**r, "id": f"r{i}"} for i, r in enumerate(ROWS[:2])]
+    _parquet(tmp_path / "a.parquet", rows[:1])
+    _parquet(tmp_path / "b.parquet", rows[1:])
+    cfg = load_config(None, [f"data.train=[{tmp_path}/a.parquet, {tmp_path}/b.parquet]"])
+    assert cfg.data.train == [tmp_path / "a.parquet", tmp_path / "b.parquet"]
+    assert cfg.data.root == tmp_path  # the first file's directory
+    assert [s.uid for s in load_rows(cfg.data.train).samples] == ["r0", "r1"]
+    cfg = load_config(None, [f"data.train={tmp_path}/*.parquet", "data.columns={label: answer}"])
+    assert cfg.data.columns == {"label": "answer"} and cfg.data.root == tmp_path
+    (tmp_path / "hf").mkdir()
+    assert load_config(None, [f"data.train={tmp_path}/hf"]).data.root == tmp_path / "hf"
