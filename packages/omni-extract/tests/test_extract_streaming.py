@@ -81,9 +81,15 @@ def test_existing_destination_refused_then_overwritten(tiny_omni_dir, tmp_path):
     with pytest.raises(DestinationExistsError, match=str(dst)):
         extract(tiny_omni_dir, dst, variant="audio")
     assert (dst / "keep.txt").read_text() == "mine"
-    extract(tiny_omni_dir, dst, variant="audio", overwrite=True)
-    assert not (dst / "keep.txt").exists() and (dst / "config.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+    # --overwrite replaces only a directory omni-extract wrote (issue 15): not this one
+    with pytest.raises(DestinationExistsError, match="not written by omni-extract"):
+        extract(tiny_omni_dir, dst, variant="audio", overwrite=True)
+    assert (dst / "keep.txt").read_text() == "mine"
+    ours = tmp_path / "ours"
+    extract(tiny_omni_dir, ours, variant="vl")
+    extract(tiny_omni_dir, ours, variant="audio", overwrite=True)
+    assert json.loads((ours / "omni_extract.json").read_text())["variant"] == "audio"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "ours"]
 
 
 def test_refuses_to_overwrite_the_source(tiny_omni_dir):

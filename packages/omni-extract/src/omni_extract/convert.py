@@ -35,7 +35,12 @@ import torch
 
 from omni_extract import configs
 from omni_extract.artifacts import copy_processor_artifacts
-from omni_extract.errors import CorruptShardError, DestinationExistsError, ExtractError
+from omni_extract.errors import (
+    CorruptShardError,
+    DestinationExistsError,
+    ExtractError,
+    NotQwen3OmniError,
+)
 from omni_extract.kernels import pread_into, scratch, transpose_bits_into
 from omni_extract.plan import (
     DtypeChoice,
@@ -44,7 +49,14 @@ from omni_extract.plan import (
     Variant,
     build_plan,
 )
-from omni_extract.source import INDEX_FILE, SINGLE_FILE, OmniSource, SourceTensor, open_source
+from omni_extract.source import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    OmniSource,
+    SourceTensor,
+    load_json,
+    open_source,
+)
 from omni_extract.writer import MappedRegion, ShardWriter, tensor_bytes
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
@@ -86,7 +98,10 @@ def parse_size(size: int | str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, re.IGNORECASE)
     if not m:
         raise ValueError(f"shard size {size!r}: expected e.g. 5GB, 500MB, 2GiB or a byte count")
-    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
+    n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
+    if n < 1:
+        raise ValueError(f"shard size {size!r}: must be at least 1 byte")
+    return n
 
 
 # ----------------------------------------------------------------------------- tensor production
@@ -295,7 +310,7 @@ def _write_config(
         cfg = configs.vl_config(source.config, dtype_name)
     elif variant == "text":
         gen_path = source.root / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        gen = load_json(gen_path, NotQwen3OmniError) if gen_path.is_file() else None
         cfg = configs.text_config(source.config, dtype_name, gen)
     else:
         cfg = configs.audio_config(source.config, dtype_name)
@@ -303,6 +318,13 @@ def _write_config(
 
 
 # ----------------------------------------------------------------------------- public entry point
+
+
+# Written into every output: ``--overwrite`` replaces only a directory that holds it (or an
+# empty one), never a regular file or a directory someone else filled.
+MARKER_FILE = "omni_extract.json"
+# Markers of every directory our tools write (``omni_export.json``: omni_extract.export).
+OWN_MARKERS: tuple[str, ...] = (MARKER_FILE, "omni_export.json")
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
@@ -313,11 +335,131 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise DestinationExistsError(f"destination {dst} exists; pass overwrite=True (--overwrite)")
 
 
+def _check_replaceable(dst: Path, overwrite: bool) -> None:
+    """What ``extract`` may write to: a new path under a writable directory, an empty
+    directory, or (``overwrite``) a directory one of our tools wrote — never a regular file or a
+    directory someone else filled."""
+    if dst.exists() or dst.is_symlink():
+        if not dst.is_dir():
+            raise DestinationExistsError(
+                f"destination {dst} exists and is not a directory; refusing to replace it "
+                "(--overwrite only replaces a directory omni-extract wrote)"
+            )
+        if overwrite and any(dst.iterdir()) and not any((dst / m).is_file() for m in OWN_MARKERS):
+            raise DestinationExistsError(
+                f"destination {dst} was not written by omni-extract (no {MARKER_FILE}); "
+                "refusing to replace it: remove it yourself or choose another --dst"
+            )
+    parent = dst.parent.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExtractError(f"cannot create {dst}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExtractError(f"cannot create {dst}: no permission to write into {parent}")
+
+
+def _clean_stale_temps(dst: Path) -> None:
+    """Remove ``.<dst>.tmp-*`` / ``.old-*`` siblings left by a killed extraction into ``dst``:
+    those naming a dead writer pid, or (older names) idle for 15 minutes. One log line."""
+    import logging
+    import time
+
+    if not dst.parent.is_dir():
+        return
+    removed, total = [], 0
+    for path in dst.parent.glob(f".{glob_escape(dst.name)}.*"):
+        found = _TEMP_OF.match(path.name[len(dst.name) + 1 :])
+        if found is None or not path.is_dir():
+            continue
+        pid = found.group("pid")
+        if pid is not None:
+            stale = not _alive(int(pid))
+        else:
+            newest = max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.iterdir())])
+            stale = time.time() - newest >= 15 * 60
+        if stale:
+            total += sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    if removed:
+        logging.getLogger(__name__).warning(
+            "removed %d stale temporary dir(s) of interrupted extractions next to %s (%.1f MB): %s",
+            len(removed),
+            dst,
+            total / 1e6,
+            ", ".join(removed),
+        )
+
+
+_TEMP_OF = re.compile(r"^\.(?:tmp|old)-(?:p(?P<pid>\d+)-)?.+$")
+
+
+def glob_escape(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _declared_dtype(source: OmniSource) -> str | None:
+    cfg = source.config
+    return cfg.get("dtype") or cfg.get("torch_dtype") or source.thinker_config.get("dtype")
+
+
+def resolve_dtype(plan: ExtractionPlan, source: OmniSource, dtype: DtypeChoice) -> DtypeChoice:
+    """``keep`` of a checkpoint whose selected tensors have mixed dtypes would write a mixed
+    output under a config declaring one dtype: cast to the declared one (said in one log line),
+    or refuse when the config declares none we can write. ``plan`` is the ``keep`` plan."""
+    variant = plan.variant
+    if dtype != "keep":
+        return dtype
+    counts: dict[torch.dtype, int] = {}
+    for out in plan.outputs:
+        for t in [out.source] if out.source is not None else [p for p, _, _ in out.parts]:
+            if t is not None:
+                counts[t.dtype] = counts.get(t.dtype, 0) + 1
+    if len(counts) <= 1:
+        return dtype
+    mix = ", ".join(
+        f"{n} {str(d).removeprefix('torch.')}" for d, n in sorted(counts.items(), key=str)
+    )
+    declared = _declared_dtype(source)
+    choice = {"float32": "fp32", "bfloat16": "bf16"}.get(str(declared))
+    if choice is None:
+        raise ExtractError(
+            f"{source.root}: the {variant} tensors have mixed dtypes ({mix}) and config.json "
+            f"declares dtype {declared!r}: pass --dtype bf16 or --dtype fp32 to choose one"
+        )
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "%s: the %s tensors have mixed dtypes (%s); casting all to %s, the dtype config.json "
+        "declares (pass --dtype to choose another)",
+        source.root,
+        variant,
+        mix,
+        declared,
+    )
+    return choice  # type: ignore[return-value]
+
+
 def _install(tmp: Path, dst: Path) -> None:
     """Rename the finished temp dir onto ``dst``; an old ``dst`` is moved aside, then deleted."""
     old: Path | None = None
     if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-p{os.getpid()}-", dir=dst.parent))
         os.replace(dst, old / dst.name)
     try:
         os.replace(tmp, dst)
@@ -348,12 +490,27 @@ def extract(
     """
     src_path, dst_path = Path(src), Path(dst)
     _check_destination(src_path, dst_path, overwrite)
+    _check_replaceable(dst_path, overwrite)
+    size = parse_size(shard_size)
     source = open_source(src_path)
-    plan = build_plan(source, variant, dtype, parse_size(shard_size))
+    plan = build_plan(source, variant, dtype, size)
+    resolved = resolve_dtype(plan, source, dtype)
+    if resolved != dtype:
+        dtype, plan = resolved, build_plan(source, variant, resolved, size)
     cast = None if dtype == "keep" else plan.outputs[0].dtype
 
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst_path.name}.tmp-", dir=dst_path.parent))
+    try:
+        dst_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExtractError(f"cannot create {dst_path}: {exc.strerror or exc}") from exc
+    _clean_stale_temps(dst_path)
+    needed = plan.total_bytes + (1 << 20)
+    free = shutil.disk_usage(dst_path.parent).free
+    if free < needed:
+        raise ExtractError(_disk_full(dst_path, needed))
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f".{dst_path.name}.tmp-p{os.getpid()}-", dir=dst_path.parent)
+    )
     try:
         if progress is True:
             from omni_extract.progress import rich_progress
@@ -364,8 +521,33 @@ def extract(
             shards = stream_weights(source, plan, tmp, progress or None)
         _write_config(source, variant, cast, tmp)
         copy_processor_artifacts(src_path, tmp)
+        marker = {"tool": "omni-extract", "variant": variant, "source": str(src_path.absolute())}
+        (tmp / MARKER_FILE).write_text(json.dumps({**marker, "dtype": dtype}, indent=2))
         _install(tmp, dst_path)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError | RuntimeError) and not isinstance(exc, ExtractError):
+            # Name the destination, not the hidden temp dir the error happened in.
+            if _is_disk_full(exc):
+                raise ExtractError(_disk_full(dst_path, needed)) from exc
+            text = str(exc).replace(str(tmp), str(dst_path))
+            raise ExtractError(f"writing {dst_path} failed: {text}") from exc
         raise
     return ExtractResult(dst_path, variant, len(plan.outputs), plan.total_bytes, shards)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc).lower()
+    return any(t in text for t in ("no space left", "storagefull", "iostream error", "errno 28"))
+
+
+def _disk_full(dst: Path, needed: int) -> str:
+    free = shutil.disk_usage(dst.parent).free
+    return (
+        f"disk full: writing {dst} needs about {needed / 1e9:.3f} GB, "
+        f"{dst.parent} has {free / 1e9:.3f} GB free"
+    )

@@ -73,15 +73,90 @@ class OmniSource:
         return self.config["thinker_config"]
 
 
+# Sizes every thinker tensor shape is derived from: each must be given as a positive integer.
+# Without one, transformers would substitute its own default (2048 for ``hidden_size``) and the
+# first tensor checked would be reported with a wrong "expected" shape instead.
+REQUIRED_SIZES: dict[str, tuple[str, ...]] = {
+    "text_config": (
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_experts",
+        "num_experts_per_tok",
+        "vocab_size",
+    ),
+    "vision_config": (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "patch_size",
+        "spatial_merge_size",
+        "temporal_patch_size",
+        "out_hidden_size",
+    ),
+    "audio_config": (
+        "d_model",
+        "encoder_layers",
+        "encoder_attention_heads",
+        "encoder_ffn_dim",
+        "num_mel_bins",
+        "output_dim",
+    ),
+}
+# Sizes that may be absent (transformers derives them) but must be positive integers if given.
+OPTIONAL_SIZES: dict[str, tuple[str, ...]] = {"text_config": ("head_dim",)}
+
+
+def load_json(path: Path, error: type[Exception], expect: type = dict) -> Any:
+    """Parse a JSON file of a checkpoint; ``error`` names the file and what is wrong with it."""
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(
+            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: unreadable ({exc})") from exc
+    if not isinstance(value, expect):
+        raise error(
+            f"{path}: expected a JSON {expect.__name__ if expect is not dict else 'object'}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_sizes(path: Path, thinker: dict[str, Any]) -> None:
+    """Every size the tensor shapes depend on is present and a positive integer."""
+    for sub, keys in REQUIRED_SIZES.items():
+        for key in keys:
+            if key not in thinker[sub]:
+                raise NotQwen3OmniError(
+                    f"{path}: thinker_config.{sub}.{key} is missing (the shapes of the "
+                    f"{sub.removesuffix('_config')} tensors are derived from it)"
+                )
+    for table in (REQUIRED_SIZES, OPTIONAL_SIZES):
+        for sub, keys in table.items():
+            for key in keys:
+                if key in thinker[sub] and not _is_size(thinker[sub][key]):
+                    raise NotQwen3OmniError(
+                        f"{path}: thinker_config.{sub}.{key} must be a positive integer, "
+                        f"got {thinker[sub][key]!r}"
+                    )
+
+
 def load_omni_config(root: Path) -> dict[str, Any]:
     """Read ``config.json`` and insist it is a Qwen3-Omni checkpoint with a full thinker config."""
     path = root / "config.json"
     if not path.is_file():
         raise NotQwen3OmniError(f"{path}: no config.json (is {root} a checkpoint directory?)")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise NotQwen3OmniError(f"{path}: not valid JSON ({exc})") from exc
+    config = load_json(path, NotQwen3OmniError)
     model_type = config.get("model_type")
     if model_type != OMNI_MODEL_TYPE:
         raise NotQwen3OmniError(
@@ -96,16 +171,35 @@ def load_omni_config(root: Path) -> dict[str, Any]:
             raise NotQwen3OmniError(
                 f"{path}: field 'thinker_config.{sub}' missing or not an object"
             )
+    check_sizes(path, thinker)
     return config
+
+
+def load_weight_map(index: Path) -> dict[str, str]:
+    """``weight_map`` of a shard index: a non-empty object of tensor name -> shard file name."""
+    raw = load_json(index, MissingShardError)
+    weight_map = raw.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        got = type(weight_map).__name__ if weight_map else "empty or missing"
+        raise MissingShardError(
+            f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file ({got})"
+        )
+    bad = next(
+        ((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v),
+        None,
+    )
+    if bad is not None:
+        raise MissingShardError(
+            f"{index}: weight_map[{bad[0]!r}] must be a shard file name, got {bad[1]!r}"
+        )
+    return weight_map
 
 
 def _shard_files(root: Path) -> tuple[str, ...]:
     """The shard files the checkpoint consists of; every file the index lists must exist."""
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map") or {}
-        if not weight_map:
-            raise MissingShardError(f"{index}: empty or missing 'weight_map'")
+        weight_map = load_weight_map(index)
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (root / f).is_file()]
         if missing:
@@ -167,7 +261,7 @@ def _check_index_agrees(root: Path, tensors: dict[str, SourceTensor]) -> None:
     index = root / INDEX_FILE
     if not index.is_file():
         return
-    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    weight_map = load_weight_map(index)
     for name, fname in weight_map.items():
         found = tensors.get(name)
         if found is None:
