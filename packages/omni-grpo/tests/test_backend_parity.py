@@ -26,13 +26,8 @@ from omni_grpo.algo import entropy_from_logits, token_logprobs_from_logits
 from omni_grpo.backends.megatron import backend as megatron_backend
 from omni_grpo.backends.megatron.backend import MegatronBackend
 from omni_grpo.backends.torch_backend import TorchBackend
-from omni_grpo.config import AlgoConfig, DataConfig, ModelConfig, TinyModelConfig, TrainerConfig
-from omni_grpo.data.dataset import OmniDataset
-from omni_grpo.data.prompt import PromptBuilder
-from omni_grpo.data.synthetic import generate_synthetic
-from omni_grpo.rollout.embedded import EmbeddedEngine
-from omni_grpo.trainer import media_token_ids, prepare_model
-from omni_grpo.types import GRPOBatch, RolloutEngine, SamplingConfig, TrainerBackend
+from omni_grpo.config import AlgoConfig, TrainerConfig
+from omni_grpo.types import GRPOBatch, RolloutEngine, TrainerBackend
 from torch import nn
 
 # means over tokens that are linear in the micro-batch split (the nonlinear ones — Pearson,
@@ -43,25 +38,12 @@ POLICY_KEYS = ("skipped_step", "no_signal_step", "response_tokens")
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from omni_grpo.models import load_thinker
+    from omni_grpo.testing.rollouts import rollout_world
 
-    root = tmp_path_factory.mktemp("parity")
-    model_cfg = ModelConfig(
-        make_tiny=TinyModelConfig(), extracted_dir=root / "vl", audio_dir=root / "audio"
-    )
-    vl, audio = prepare_model(model_cfg, root)
-    train, _ = generate_synthetic(root / "data", n_train=2, n_eval=2)
-    builder = PromptBuilder(vl, DataConfig(train=train, root=train.parent))
-    ds = OmniDataset(train, train.parent, builder)
-    eos = int(builder.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    base = load_thinker(vl, audio_dir=audio)
-    torch.manual_seed(0)
-    engine = EmbeddedEngine(base, [eos], banned_token_ids=media_token_ids(base))
-    assert isinstance(engine, RolloutEngine)
-    prompts = [ds.load(i) for i in range(3)]  # image, audio, video
-    groups = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=4))
-    groups[1][2].token_ids, groups[1][2].logprobs = [], []  # an empty completion counts too
-    return {"vl": vl, "audio": audio, "base": base, "groups": groups, "eos": eos}
+    w = rollout_world(tmp_path_factory.mktemp("parity"))  # image, audio, video prompts
+    assert isinstance(w["engine"], RolloutEngine)
+    w["groups"][1][2].token_ids, w["groups"][1][2].logprobs = [], []  # an empty one counts too
+    return w
 
 
 class TorchThinkerAsMegatron(nn.Module):

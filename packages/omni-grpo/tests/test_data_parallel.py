@@ -11,8 +11,8 @@ import pytest
 import torch
 from omni_grpo.algo.shard import group_tokens, shard_batch
 from omni_grpo.backends.torch_backend import TorchBackend
-from omni_grpo.config import AlgoConfig, DataConfig, ModelConfig, TinyModelConfig, TrainerConfig
-from omni_grpo.types import Completion, GRPOBatch, PromptInputs, Sample, SamplingConfig
+from omni_grpo.config import AlgoConfig, TrainerConfig
+from omni_grpo.types import Completion, GRPOBatch, PromptInputs, Sample
 
 
 def _batch(sizes: list[tuple[int, list[int]]]) -> GRPOBatch:
@@ -52,29 +52,11 @@ def test_more_ranks_than_groups_gives_empty_shards() -> None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from omni_grpo.data.dataset import OmniDataset
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.data.synthetic import generate_synthetic
-    from omni_grpo.models import load_thinker
-    from omni_grpo.rollout.embedded import EmbeddedEngine
-    from omni_grpo.trainer import media_token_ids, prepare_model
+    from omni_grpo.testing.rollouts import rollout_world
 
-    root = tmp_path_factory.mktemp("dp")
-    model_cfg = ModelConfig(
-        make_tiny=TinyModelConfig(), extracted_dir=root / "vl", audio_dir=root / "audio"
-    )
-    vl, audio = prepare_model(model_cfg, root)
-    train, _ = generate_synthetic(root / "data", n_train=2, n_eval=2)
-    builder = PromptBuilder(vl, DataConfig(train=train, root=train.parent))
-    ds = OmniDataset(train, train.parent, builder)
-    eos = int(builder.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    base = load_thinker(vl, audio_dir=audio)
-    torch.manual_seed(0)
-    engine = EmbeddedEngine(base, [eos], banned_token_ids=media_token_ids(base))
-    prompts = [ds.load(i) for i in range(3)]
-    groups = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=4))
-    groups[2][1].token_ids, groups[2][1].logprobs = [], []  # an empty completion counts too
-    return {"vl": vl, "audio": audio, "groups": groups, "eos": eos, "prompts": prompts}
+    w = rollout_world(tmp_path_factory.mktemp("dp"))
+    w["groups"][2][1].token_ids, w["groups"][2][1].logprobs = [], []  # an empty one counts too
+    return w
 
 
 def test_two_gloo_ranks_equal_one_process(world: dict[str, Any]) -> None:

@@ -11,6 +11,8 @@
   stand-in weight-sync receiver.
 * :mod:`omni_grpo.testing.export` — a run directory with a "trained" checkpoint (torch backend)
   and the same weights under the Megatron backend's names, for export tests.
+* :mod:`omni_grpo.testing.rollouts` — a tiny policy and real embedded rollout groups, the inputs a
+  backend test feeds to ``step``.
 * :mod:`omni_grpo.testing.data_parallel` — a local gloo world of spawned processes
   (``run_world``) and the torch backend's steps on one rank, for the data-parallel equivalence test.
 
