@@ -215,3 +215,30 @@ def test_config_accepts_lists_globs_and_dirs(tmp_path: Path) -> None:
     assert cfg.data.columns == {"label": "answer"} and cfg.data.root == tmp_path
     (tmp_path / "hf").mkdir()
     assert load_config(None, [f"data.train={tmp_path}/hf"]).data.root == tmp_path / "hf"
+
+
+def test_many_shards_keep_few_files_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import omni_grpo.data.sources as sources
+
+    monkeypatch.setattr(sources, "OPEN_SOURCES", 2)
+    for k in range(5):
+        _parquet(tmp_path / f"shard-{k}.parquet", [{**ROWS[0], "id": f"s{k}"}])
+    loaded = load_rows(str(tmp_path / "shard-*.parquet"))
+    assert all(src._file is None for src in loaded.sources)  # closed after the scan
+    for s in [*loaded.samples, *reversed(loaded.samples)]:
+        assert loaded.fetch(s.media[0]) == b"aud0"
+        assert sum(src._file is not None for src in loaded.sources) <= 2
+
+
+def test_broken_save_to_disk_dir_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "state.json").write_text('{"nope": 1}')
+    with pytest.raises(DataError, match="not a datasets state.json"):
+        load_rows(tmp_path / "d")
+    (tmp_path / "e").mkdir()
+    with pytest.raises(DataError, match="without state.json or \\*.arrow"):
+        load_rows(tmp_path / "e")
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "data.arrow").write_bytes(b"not arrow")
+    with pytest.raises(DataError, match="not a readable Arrow stream"):
+        load_rows(tmp_path / "f")

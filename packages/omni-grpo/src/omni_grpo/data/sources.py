@@ -53,6 +53,7 @@ PARQUET_MAGIC = b"PAR1"
 # reads a column chunk whole, so a sequential pass reads each group once, and a shuffled one
 # re-reads groups it has evicted. Write tables with small row groups (``tables.py`` bounds them).
 ROW_GROUP_CACHE_BYTES = 64 << 20
+OPEN_SOURCES = 8  # parquet files kept open (with their cache) while fetching media
 
 Spec = str | os.PathLike[str] | list[str | os.PathLike[str]] | list[Path]
 
@@ -207,23 +208,38 @@ class ParquetSource(_TableSource):
     """A parquet file, read one row group at a time; embedded media read per row on demand."""
 
     def __init__(self, path: Path) -> None:
-        import pyarrow.parquet as pq
-
         self.path, self.name = path, path.stem
-        try:
-            # Plain reads, not a memory map: mapped pages would count in RSS as the file is
-            # streamed; read buffers are freed with the row group. pre_buffer coalesces a
-            # column chunk into one read (20x faster on large binary chunks than the stream).
-            self.file = pq.ParquetFile(str(path), memory_map=False, pre_buffer=True)
-        except Exception as err:
-            raise DataError(f"{path}: not a readable parquet file: {err}") from None
-        self.schema = self.file.schema_arrow
+        self._file: Any = None
+        self._cache: OrderedDict[tuple[int, str], Any] = OrderedDict()
         meta = self.file.metadata
+        self.schema = self.file.schema_arrow
         self.starts = [0]
         for rg in range(meta.num_row_groups):
             self.starts.append(self.starts[-1] + meta.row_group(rg).num_rows)
         self.leaves = [self.file.schema.column(i).path for i in range(meta.num_columns)]
-        self._cache: OrderedDict[tuple[int, str], Any] = OrderedDict()
+
+    @property
+    def file(self) -> Any:
+        """The open ``ParquetFile`` (reopened after ``close``: a glob of many shards must not
+        hold a descriptor per shard)."""
+        if self._file is None:
+            import pyarrow.parquet as pq
+
+            try:
+                # Plain reads, not a memory map: mapped pages would count in RSS as the file is
+                # streamed; read buffers are freed with the row group. pre_buffer coalesces a
+                # column chunk into one read (20x faster on large binary chunks than the stream).
+                self._file = pq.ParquetFile(str(self.path), memory_map=False, pre_buffer=True)
+            except Exception as err:
+                raise DataError(f"{self.path}: not a readable parquet file: {err}") from None
+        return self._file
+
+    def close(self) -> None:
+        """Drop the file handle and the cached row groups (reopened on the next fetch)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._cache.clear()
 
     def _leaf(self, column: str, field_name: str) -> str | None:
         for leaf in self.leaves:
@@ -289,10 +305,12 @@ class ArrowDirSource(_TableSource):
                 f"at one split's directory (e.g. {path / (splits[0] if splits else 'train')})"
             )
         state = path / "state.json"
+        files = sorted(path.glob("*.arrow"))
         if state.is_file():
-            files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
-        else:
-            files = sorted(path.glob("*.arrow"))
+            try:
+                files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+            except (ValueError, KeyError, TypeError) as err:
+                raise DataError(f"{state}: not a datasets state.json ({err!r})") from None
         if not files:
             raise DataError(f"{path}: a directory without state.json or *.arrow files")
         self.tables = []
@@ -436,6 +454,7 @@ class LoadedRows:
     samples: list[Sample]
     skipped: Counter[str]
     sources: list[Any]
+    _open: OrderedDict[int, None] = field(default_factory=OrderedDict)  # sources with a handle
 
     def counters(self) -> dict[str, int]:
         """``skipped_rows`` and ``skipped_rows_<reason>`` (only when something was skipped)."""
@@ -446,6 +465,11 @@ class LoadedRows:
 
     def fetch(self, item: dict[str, Any]) -> bytes | None:
         src, row, column, k = item["blob"]
+        self._open[src] = None
+        self._open.move_to_end(src)
+        while len(self._open) > OPEN_SOURCES:
+            old, _ = self._open.popitem(last=False)
+            getattr(self.sources[old], "close", lambda: None)()
         return self.sources[src].fetch(row, column, k)
 
 
@@ -527,6 +551,7 @@ def load_rows(
                     item["blob"] = (src_index, rec.index, blob[0], blob[1])
             samples.append(sample)
             tally.kept += 1
+        getattr(source, "close", lambda: None)()  # reopened when a row's media is fetched
         tally.finish()
         skipped.update(tally.skips)
     return LoadedRows(samples, skipped, sources)
