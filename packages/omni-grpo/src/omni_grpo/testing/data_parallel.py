@@ -78,6 +78,7 @@ def torch_backend_steps(
     pad_token_id: int,
     shards: list[list[Any]],
     warmup: tuple[list[Any], list[Any], float] | None = None,
+    freeze_visual: bool = True,
 ) -> dict[str, Any]:
     """On one rank: build the torch backend from the extracted checkpoint, optionally run one
     ``supervised_step(prompts[rank], targets[rank], lr)`` (``warmup``), then
@@ -87,7 +88,7 @@ def torch_backend_steps(
     from omni_grpo.config import AlgoConfig, TrainerConfig
     from omni_grpo.models import load_thinker
 
-    model = load_thinker(vl_dir, audio_dir=audio_dir)
+    model = load_thinker(vl_dir, audio_dir=audio_dir, freeze_visual=freeze_visual)
     backend = TorchBackend(
         model, TrainerConfig(**trainer_cfg), AlgoConfig(**algo_cfg), pad_token_id=pad_token_id
     )
