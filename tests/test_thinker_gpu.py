@@ -89,18 +89,22 @@ def test_cuda_bf16_follows_the_model(setup, tiny_omni_dir):
     assert diff <= 0.05 * theirs.float()[valid].abs().max().item()
 
 
-def test_cuda_generation_logprobs(setup):
+@pytest.mark.parametrize("graph", [False, True])
+def test_cuda_generation_logprobs(setup, graph):
+    """Eager decode steps (private generator) and CUDA-graph replays (global RNG) alike."""
     vl, ids = setup
     thinker = load_thinker(vl, dtype="float32", device="cuda")
     batch = _cuda(build_batch(_samples(True), ids, "left", seed=13))
     input_ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
+    torch.cuda.manual_seed(0)
     res = generate(
         thinker,
         input_ids,
         mask,
         max_new_tokens=8,
         temperature=0.8,
-        generator=torch.Generator("cuda").manual_seed(0),
+        generator=None if graph else torch.Generator("cuda").manual_seed(0),
+        cuda_graph=graph,
         **batch,
     )
     full = torch.cat([input_ids, res.tokens.cuda()], 1)

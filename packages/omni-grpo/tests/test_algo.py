@@ -128,6 +128,22 @@ def test_chunked_matches_full_with_grad(n: int, v: int, chunk: int, temp: float)
     torch.testing.assert_close(gl, gr.to(gl.dtype), atol=1e-5, rtol=1e-4)
 
 
+def test_logprob_gradient_for_any_upstream_grad() -> None:
+    """The fused backward against autograd through float64 log_softmax, bf16 logits, chunked."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 7, 300, generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    tgt = torch.randint(0, 300, (2, 7), generator=g)
+    upstream = torch.randn(2, 7, generator=g)
+    lp = token_logprobs_from_logits(logits, tgt, 0.7, chunk_rows=3)
+    (got,) = torch.autograd.grad((lp * upstream).sum(), logits)
+    ref_in = logits.detach().double().requires_grad_()
+    ref = torch.log_softmax(ref_in / 0.7, -1).gather(-1, tgt[..., None])[..., 0]
+    (want,) = torch.autograd.grad((ref * upstream.double()).sum(), ref_in)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(lp.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_logprobs_bf16_upcast() -> None:
     logits = torch.tensor([[0.0, LN(3)]], dtype=torch.bfloat16)
     out = token_logprobs_from_logits(logits, torch.tensor([1]))

@@ -9,8 +9,9 @@ from omni_grpo.data.collate import repeat_mm
 from omni_grpo.data.dataset import OmniDataset
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.data.synthetic import generate_synthetic
+from omni_grpo.models.generation import sample_step
 from omni_grpo.rollout import create_engine
-from omni_grpo.rollout.embedded import EmbeddedEngine, sample_next
+from omni_grpo.rollout.embedded import EmbeddedEngine
 from omni_grpo.trainer import media_token_ids, prepare_model
 from omni_grpo.types import SamplingConfig
 
@@ -106,15 +107,40 @@ def test_engine_shares_the_trainers_weights(setup: tuple) -> None:
 def test_sampling_filters() -> None:
     torch.manual_seed(0)
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(200, 1)
-    tokens, lp = sample_next(logits, SamplingConfig(temperature=1.0, top_k=2))
+    tokens, lp = sample_step(logits, temperature=1.0, top_k=2)
     assert set(tokens.tolist()) <= {2, 3}
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
-    tokens, _ = sample_next(logits, SamplingConfig(temperature=1.0), banned=torch.tensor([3]))
+    tokens, _ = sample_step(logits, temperature=1.0, suppress=torch.tensor([3]))
     assert 3 not in tokens.tolist()
-    tokens, _ = sample_next(logits, SamplingConfig(temperature=1.0, top_p=0.5))
+    tokens, _ = sample_step(logits, temperature=1.0, top_p=0.5)
     assert set(tokens.tolist()) == {3}  # p(3) = 0.64 >= 0.5
-    tokens, lp = sample_next(logits[:2], SamplingConfig(temperature=0.0))
+    tokens, lp = sample_step(logits[:2], temperature=0.0)
     assert tokens.tolist() == [3, 3]
+
+
+def test_draw_is_torch_multinomial() -> None:
+    """The sync-free draw picks exactly the tokens ``torch.multinomial`` picks from the same RNG."""
+    logits = torch.randn(64, 97, generator=torch.Generator().manual_seed(1))
+    ours, _ = sample_step(logits, temperature=0.8, generator=torch.Generator().manual_seed(2))
+    probs = torch.softmax(logits / 0.8, -1)
+    ref = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(2))[:, 0]
+    assert torch.equal(ours, ref)
+
+
+def test_groups_of_one_step_share_one_batch(setup: tuple) -> None:
+    """Several prompts (image, audio, video: different lengths) sampled together: each group's
+    logprobs still equal the unpadded full recompute of its own prompt."""
+    model, ds, eos = setup
+    engine = EmbeddedEngine(model, [eos])
+    prompts = [ds.load(i) for i in range(len(ds))]
+    assert len({len(p.input_ids) for p in prompts}) > 1  # left padding is exercised
+    torch.manual_seed(1)
+    groups = engine.generate(prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=5))
+    assert [g[0].prompt for g in groups] == prompts
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            ref = _recompute(model, prompt, c.token_ids, 1.0)
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
 
 
 def test_unknown_engine_is_named() -> None:

@@ -1,27 +1,48 @@
-"""Batched, KV-cached sampling with the thinker, returning token ids and per-token logprobs.
+"""Batched, KV-cached sampling with the thinker: the one sampler of the project.
 
-One prefill forward over the (left- or right-padded) prompts with all their media, then one forward
-per new token on the cache; positions continue from the prefill's rope deltas (see
-``OmniThinker.forward``). Right-padded prompts are moved to left padding first so that every row's
-next token sits at the same column.
+The embedded rollout engine, ``OmniThinker.generate`` and the tests all sample through this module.
+
+One prefill forward over the (left- or right-padded) prompts with all their media, then one decode
+step per new token. Right-padded prompts are moved to left padding first so that every row's next
+token sits at the same column.
+
+Decode steps run over fixed-size KV buffers (``StaticDecoder``): the prefill's cache is copied once
+into buffers sized for the prompt plus ``max_new_tokens``, and each step writes one slot. Every
+tensor a step touches therefore keeps its address and shape, so on CUDA the whole step (embed,
+decoder layers, LM head, sampling, bookkeeping) is captured once as a CUDA graph and replayed:
+decoding a few-layer MoE at small batch is launch-bound (hundreds of kernels per token), and a
+replay removes the Python and launch cost of every step. Nothing in a step reads a value back to
+the host; whether every row has stopped is checked only every ``STOP_CHECK_EVERY`` steps.
 
 Logprob convention (the one sglang/vLLM report and the trainer recomputes): the log-probability of
 the sampled token under the temperature-scaled full distribution, ``log_softmax(logits / T)``;
 top-k, top-p and suppressed ids only restrict which tokens can be drawn. Greedy (``T == 0``)
 reports ``log_softmax(logits)``.
 
-Suppressed ids default to the media placeholders and start markers: sampled into a completion they
-would make the teacher-forced recompute look for media that does not exist.
+Suppressed ids default to the media placeholders and segment markers
+(``OmniSideband.banned_ids``): sampled into a completion they would make the teacher-forced
+recompute look for media that does not exist.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omni_grpo.models.thinker import OmniThinker
+from omni_grpo.models.thinker import cache_arg_name
+
+if TYPE_CHECKING:
+    from omni_grpo.models.thinker import OmniThinker
+
+log = logging.getLogger(__name__)
+
+# How often (in decode steps) the host asks whether every row has stopped: each ask is a device
+# sync, and a step after all rows stopped only costs one (graph-replayed) forward.
+STOP_CHECK_EVERY = 16
 
 
 @dataclass
@@ -48,12 +69,14 @@ def to_left_padding(
     return input_ids.gather(1, order), attention_mask.gather(1, order)
 
 
+# ------------------------------------------------------------------------------------- sampling
 def _restrict(
     scaled: torch.Tensor, top_k: int, top_p: float, suppress: torch.Tensor | None
 ) -> torch.Tensor:
+    """``scaled`` with every token that may not be drawn set to ``-inf`` (no host syncs)."""
     out = scaled.clone()
     if suppress is not None and suppress.numel():
-        out[:, suppress] = float("-inf")
+        out.index_fill_(-1, suppress, float("-inf"))
     if 0 < top_k < out.shape[-1]:
         kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
         out = out.masked_fill(out < kth, float("-inf"))
@@ -76,7 +99,12 @@ def sample_step(
     suppress: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from ``[B, V]`` logits; return (tokens, logprobs) per the convention."""
+    """Draw one token per row from ``[B, V]`` logits; return (tokens, logprobs) per the convention.
+
+    The draw is ``torch.multinomial(probs, 1)``'s own algorithm (argmax of ``probs / Exp(1)``
+    noise: the same tokens for the same RNG state) without its input checks, which read values
+    back to the host and so could not run inside a CUDA graph.
+    """
     logits = logits.float()
     scaled = logits / temperature if temperature > 0 else logits
     logprobs = torch.log_softmax(scaled, dim=-1)
@@ -85,13 +113,143 @@ def sample_step(
         tokens = allowed.argmax(-1)
     else:
         probs = torch.softmax(allowed, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)
+        tokens = (probs / noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
-def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
+# ------------------------------------------------------------------------------------- decoding
+class _Slots:
+    """The cache object the HF attention layers write to: one fixed slot per decode step."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor):
+        self.keys, self.values, self.slot = keys, values, slot
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *_: Any,
+        **__: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.slot, key_states.to(k.dtype))
+        v.index_copy_(2, self.slot, value_states.to(v.dtype))
+        return k, v
+
+
+def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
+
+
+class StaticDecoder:
+    """Decode steps of a prefilled batch over fixed KV buffers; on CUDA, replayed as one graph.
+
+    A step feeds the last sampled token of every row (rows that already stopped too: their extra
+    tokens are cut off afterwards, and a row never attends to another), samples the next one and
+    records it. Positions continue from the prefill's rope deltas exactly as
+    ``models.positions.decode_positions`` computes them for an all-valid continuation.
+    """
+
+    def __init__(
+        self,
+        thinker: OmniThinker,
+        cache: Any,
+        attention_mask: torch.Tensor,
+        first: tuple[torch.Tensor, torch.Tensor],
+        max_new_tokens: int,
+        sample: dict[str, Any],
+    ) -> None:
+        lm = thinker.model.language_model
+        self.embed, self.layers, self.norm, self.rotary = (
+            lm.embed_tokens,
+            lm.layers,
+            lm.norm,
+            lm.rotary_emb,
+        )
+        self.lm_head = thinker.lm_head
+        self.sample = sample
+        self.cache_kw = cache_arg_name(self.layers[0].forward)
+        batch, prompt_len = attention_mask.shape
+        total = prompt_len + max_new_tokens
+        device = attention_mask.device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for k, v in _layer_tensors(cache):
+            kb = k.new_zeros(*k.shape[:2], total, k.shape[3])
+            vb = v.new_zeros(*v.shape[:2], total, v.shape[3])
+            kb[:, :, :prompt_len] = k
+            vb[:, :, :prompt_len] = v
+            self.keys.append(kb)
+            self.values.append(vb)
+        self.mask = torch.zeros(batch, total, dtype=torch.bool, device=device)
+        self.mask[:, :prompt_len] = attention_mask.bool()
+        deltas = thinker.rope_deltas.to(device)
+        self.pos0 = attention_mask.long().sum(-1, keepdim=True) + deltas  # [B, 1]
+        self.fed = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.full((1,), prompt_len, dtype=torch.long, device=device)
+        self.count = torch.ones(1, dtype=torch.long, device=device)
+        tok, lp = first
+        self.tok = tok.clone()
+        self.tokens = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
+        self.tokens[:, 0] = tok
+        self.logprobs[:, 0] = lp
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def step(self) -> None:
+        """Feed ``self.tok``, sample and record the next token (no host syncs)."""
+        self.mask.index_fill_(1, self.slot, True)
+        pos = (self.pos0 + self.fed).unsqueeze(0).expand(3, -1, -1)
+        hidden = self.embed(self.tok[:, None])
+        rope = self.rotary(hidden, pos)
+        slots = _Slots(self.keys, self.values, self.slot)
+        mask = self.mask[:, None, None, :]
+        for layer in self.layers:
+            out = layer(
+                hidden, attention_mask=mask, position_embeddings=rope, **{self.cache_kw: slots}
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        logits = self.lm_head(self.norm(hidden))[:, -1]
+        tok, lp = sample_step(logits, **self.sample)
+        self.tokens.index_copy_(1, self.count, tok[:, None])
+        self.logprobs.index_copy_(1, self.count, lp[:, None].float())
+        self.tok.copy_(tok)
+        self.fed += 1
+        self.slot += 1
+        self.count += 1
+
+    def capture(self, warmup: int = 2) -> int:
+        """Run ``warmup`` real steps on a side stream, then capture one step; returns steps run."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        dtype = torch.get_autocast_dtype("cuda")
+        autocast = torch.autocast(
+            "cuda", dtype=dtype, enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False
+        )
+        try:  # nothing runs while capturing, so a failed capture leaves the state untouched
+            with autocast, torch.cuda.graph(graph):
+                self.step()
+        except RuntimeError as err:
+            log.warning("decode step not capturable as a CUDA graph (%s); decoding eagerly", err)
+            return warmup
+        self.graph = graph
+        return warmup
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.step()
+        else:
+            self.graph.replay()
 
 
 @torch.no_grad()
@@ -108,14 +266,17 @@ def generate(
     suppress_token_ids: list[int] | None = None,
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
+    cuda_graph: bool | None = None,
     **media: Any,
 ) -> GenerationResult:
     """Sample up to ``max_new_tokens`` per row; ``media`` are the Omni forward's media kwargs.
 
-    A row stops after emitting a ``stop_token_ids`` token (kept, with its logprob). Rows that have
-    stopped keep being fed ``pad_token_id`` (masked out) until all stop. ``suppress_token_ids``
-    defaults to the thinker's media marker ids (``sideband.BANNED_ID_FIELDS``); pass ``[]`` to
-    allow everything.
+    A row stops after emitting a ``stop_token_ids`` token (kept, with its logprob); its later
+    positions hold ``pad_token_id`` and logprob 0. ``suppress_token_ids`` defaults to the thinker's
+    media marker ids (``sideband.BANNED_ID_FIELDS``); pass ``[]`` to allow everything.
+    ``cuda_graph`` (default: on CUDA when sampling from the global RNG, unless
+    ``OMNI_GRPO_CUDA_GRAPH=0``) replays the decode step as a CUDA graph; a private ``generator``
+    keeps eager steps, since a graph replays only the global generator's stream.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -127,46 +288,70 @@ def generate(
         suppress_token_ids = thinker.sideband.banned_ids
     suppress = torch.tensor(sorted(set(suppress_token_ids)), dtype=torch.long, device=device)
     stop = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long, device=device)
-    batch = input_ids.shape[0]
     media = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in media.items()}
+    sample = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "suppress": suppress,
+        "generator": generator,
+    }
+    if cuda_graph is None:
+        enabled = os.environ.get("OMNI_GRPO_CUDA_GRAPH", "1") != "0"
+        cuda_graph = enabled and device.type == "cuda" and generator is None
 
     was_training = thinker.training
     thinker.eval()
     try:
-        out = thinker(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **media)
-        tokens, logprobs = [], []
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
-        mask = attention_mask
-        for step in range(max_new_tokens):
-            tok, lp = sample_step(
-                out.logits[:, -1, :],
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                suppress=suppress,
-                generator=generator,
-            )
-            fed = (~done).long()[:, None]  # rows already stopped feed masked-out padding
-            tok = torch.where(done, torch.full_like(tok, pad_token_id), tok)
-            lp = torch.where(done, torch.zeros_like(lp), lp)
-            tokens.append(tok)
-            logprobs.append(lp)
-            hit = torch.isin(tok, stop) & ~done
-            lengths = torch.where(hit, torch.full_like(lengths, step + 1), lengths)
-            done = done | hit
-            if bool(done.all()) or step + 1 == max_new_tokens:
+        out = thinker(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **media,
+        )
+        first = sample_step(out.logits[:, -1, :], **sample)
+        cache = getattr(out, "cache", None)
+        cache = cache if cache is not None else out.past_key_values
+        decoder = StaticDecoder(thinker, cache, attention_mask, first, max_new_tokens, sample)
+        del out, cache
+        steps = 1  # tokens recorded so far
+        if cuda_graph and max_new_tokens > 3:
+            steps += decoder.capture()  # falls back to eager steps if the step cannot be captured
+        while steps < max_new_tokens:
+            if steps % STOP_CHECK_EVERY == 0 and _all_stopped(decoder.tokens[:, :steps], stop):
                 break
-            mask = torch.cat([mask, fed], dim=1)
-            out = thinker(
-                input_ids=tok[:, None], attention_mask=mask, cache=_cache_of(out), use_cache=True
-            )
+            decoder.replay()
+            steps += 1
+        tokens, logprobs = decoder.tokens[:, :steps], decoder.logprobs[:, :steps]
+        del decoder
     finally:
         thinker.train(was_training)
-    finished = ["stop" if bool(d) else "length" for d in done]
+    return _finish(tokens, logprobs, stop, max_new_tokens, pad_token_id)
+
+
+def _all_stopped(tokens: torch.Tensor, stop: torch.Tensor) -> bool:
+    return bool(stop.numel()) and bool(torch.isin(tokens, stop).any(-1).all())
+
+
+def _finish(
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    stop: torch.Tensor,
+    max_new_tokens: int,
+    pad_token_id: int,
+) -> GenerationResult:
+    """Cut every row after its first stop token (kept); pad the rest."""
+    hit = torch.isin(tokens, stop)
+    stopped = hit.any(-1)
+    first_stop = torch.where(stopped, hit.int().argmax(-1) + 1, tokens.shape[1])
+    lengths = torch.where(stopped, first_stop, torch.full_like(first_stop, max_new_tokens))
+    valid = torch.arange(tokens.shape[1], device=tokens.device)[None] < first_stop[:, None]
+    tokens = torch.where(valid, tokens, torch.full_like(tokens, pad_token_id))
+    logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
     return GenerationResult(
-        tokens=torch.stack(tokens, 1).cpu(),
-        logprobs=torch.stack(logprobs, 1).float().cpu(),
+        tokens=tokens.cpu(),
+        logprobs=logprobs.float().cpu(),
         lengths=lengths.cpu(),
-        finish_reasons=finished,
+        finish_reasons=["stop" if bool(s) else "length" for s in stopped.cpu()],
     )

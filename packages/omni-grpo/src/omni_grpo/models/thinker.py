@@ -35,7 +35,8 @@ from omni_grpo.models.positions import decode_positions
 from omni_grpo.models.sideband import OmniSideband
 
 
-def _cache_name(forward: Any) -> str:
+def cache_arg_name(forward: Any) -> str:
+    """The keyword under which this transformers version passes the KV cache (renamed in 5.2x)."""
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
@@ -73,7 +74,7 @@ class OmniThinker(nn.Module):
         self.source_dir = Path(source_dir)
         self.audio_dir = Path(audio_dir) if audio_dir is not None else None
         self.rope_deltas: torch.Tensor | None = None
-        self._vl_cache_name = _cache_name(vl.forward)
+        self._vl_cache_name = cache_arg_name(vl.forward)
         self._hook = injector.attach(vl.get_input_embeddings())
 
     @property

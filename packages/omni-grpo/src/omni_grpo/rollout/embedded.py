@@ -2,71 +2,36 @@
 
 No copy of the policy exists: the engine holds a reference to the very ``nn.Module`` the torch
 backend optimises, so after ``optimizer.step()`` the next rollout already uses the new weights and
-"weight sync" is a no-op. Generation is KV-cached (one prefill over the prompt with all its media,
-then one token per forward); the logprob of each sampled token is taken from the same (temperature
-scaled) distribution it was drawn from, which is what the trainer recomputes without a cache, so
-their difference measures the cache/numerics mismatch only.
+"weight sync" is a no-op.
 
-The ``n`` samples of one prompt run as one batch of ``n`` identical prompts: no padding is needed
-(all rows have the same length until each stops), so positions (incl. the multimodal 3-D rope) are
-exactly those of an unbatched forward.
+Sampling is ``omni_grpo.models.generation.generate`` — the project's one sampler (logprob
+convention, top-k/top-p, banned ids, static-KV decode replayed as a CUDA graph on GPU). Every
+group of a step goes into ONE generation batch: the prompts are left-padded to a common length,
+each repeated ``n`` times, and their media collated, so a step costs one prefill and
+``max_new_tokens`` decode steps whatever the number of prompts (batches are split only above
+``max_batch_rows`` rows). The logprob of each sampled token is taken from the same (temperature
+scaled) distribution it was drawn from, which is what the trainer recomputes without a cache, so
+their difference measures the cache/padding/numerics mismatch only.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
-from omni_grpo.data.collate import repeat_mm
+from omni_grpo.data.collate import collate_mm, repeat_mm
+from omni_grpo.models.generation import generate
 from omni_grpo.types import Completion, PromptInputs, SamplingConfig
 
 
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The name under which this transformers version passes the KV cache (``cache`` or ``past_key_values``)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def sample_next(
-    logits: torch.Tensor, sampling: SamplingConfig, banned: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return (tokens, their logprobs under the temperature-scaled distribution).
-
-    top-k / top-p and ``banned`` ids only truncate the candidate set; the reported logprob is that of
-    the full scaled distribution, the quantity the trainer recomputes (as sglang and vLLM report it).
-    ``banned`` keeps media placeholder tokens out of completions: a sampled ``<|audio_pad|>`` would
-    make the recompute look for audio features that do not exist.
-    """
-    logits = logits.float()
-    scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled.clone()
-    if banned is not None and banned.numel():
-        filtered[:, banned] = float("-inf")
-    if sampling.temperature <= 0:
-        tokens = filtered.argmax(dim=-1)
-        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
-    if sampling.top_k > 0 and sampling.top_k < filtered.shape[-1]:
-        kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) > sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        filtered = filtered.masked_fill(drop, float("-inf"))
-    tokens = torch.multinomial(torch.softmax(filtered, dim=-1), 1)[:, 0]
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
-
-
 class EmbeddedEngine:
-    """``RolloutEngine`` over an in-process HF-style causal LM (the trainer's policy module).
+    """``RolloutEngine`` over the in-process ``OmniThinker`` (the trainer's policy module).
 
     ``eos_token_ids`` end a sample (the stop token is kept in ``token_ids``, with its logprob, so the
-    policy learns to stop). Sampling draws from torch's global RNG, which the run checkpoints, so a
-    resumed run samples exactly what an uninterrupted one would.
+    policy learns to stop). ``banned_token_ids`` defaults to the policy's placeholder and media
+    marker ids (``OmniSideband.banned_ids``). Sampling draws from torch's global RNG, which
+    the run checkpoints, so a resumed run samples exactly what an uninterrupted one would.
     """
 
     def __init__(
@@ -78,17 +43,23 @@ class EmbeddedEngine:
         decode_fn: Any = None,
         version_fn: Any = None,
         banned_token_ids: list[int] | None = None,
+        max_batch_rows: int = 512,
     ) -> None:
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
         self.decode_fn = decode_fn
         self.version_fn = version_fn
-        self._cache_kw = cache_kwarg(model)
-        self.banned = torch.tensor(
-            sorted(set(banned_token_ids or [])), dtype=torch.long, device=self.device
-        )
+        if banned_token_ids is None:
+            sideband = getattr(model, "sideband", None)
+            banned_token_ids = [] if sideband is None else sideband.banned_ids
+        self.banned = sorted(set(banned_token_ids))
+        self.max_batch_rows = max_batch_rows
+        # Left padding of the batched prompts: any id that is no media placeholder (it is masked).
+        self.pad_id = self.eos_token_ids[0] if self.eos_token_ids else 0
 
     @classmethod
     def from_rollout_config(
@@ -127,58 +98,53 @@ class EmbeddedEngine:
     def generate(
         self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            return [self._generate_group(p, n, sampling) for p in prompts]
-        finally:
-            self.model.train(was_training)
+        per_batch = max(1, self.max_batch_rows // max(n, 1))
+        groups: list[list[Completion]] = []
+        for start in range(0, len(prompts), per_batch):
+            groups.extend(self._generate_batch(prompts[start : start + per_batch], n, sampling))
+        return groups
 
-    def _generate_group(
-        self, prompt: PromptInputs, n: int, sampling: SamplingConfig
-    ) -> list[Completion]:
-        stop = torch.tensor(
-            sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=self.device
-        )
-        ids = torch.tensor([prompt.input_ids] * n, dtype=torch.long, device=self.device)
-        mm = {k: v.to(self.device) for k, v in repeat_mm(prompt.mm, n).items()}
-        kwargs: dict[str, Any] = {"attention_mask": torch.ones_like(ids), "use_cache": True, **mm}
-        if prompt.use_audio_in_video:
-            kwargs["use_audio_in_video"] = True
-        tokens: list[torch.Tensor] = []
-        logprobs: list[torch.Tensor] = []
-        done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        finished_at = torch.full(
-            (n,), sampling.max_new_tokens, dtype=torch.long, device=self.device
-        )
+    def _generate_batch(
+        self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        width = max(len(p.input_ids) for p in prompts)
+        ids = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            rows = slice(i * n, (i + 1) * n)
+            ids[rows, width - len(p.input_ids) :] = torch.tensor(p.input_ids)
+            mask[rows, width - len(p.input_ids) :] = 1
+        mm = collate_mm([repeat_mm(p.mm, n) for p in prompts if p.mm])
+        stop = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         with self._autocast():
-            out = self.model(input_ids=ids, **kwargs)
-            for t in range(sampling.max_new_tokens):
-                tok, lp = sample_next(out.logits[:, -1, :], sampling, self.banned)
-                tokens.append(tok)
-                logprobs.append(lp)
-                hit = torch.isin(tok, stop) & ~done
-                finished_at = torch.where(hit, torch.full_like(finished_at, t + 1), finished_at)
-                done |= hit
-                if bool(done.all()) or t + 1 == sampling.max_new_tokens:
-                    break
-                cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-                out = self.model(input_ids=tok[:, None], use_cache=True, **{self._cache_kw: cache})
-        tok_mat = torch.stack(tokens, dim=1).cpu()
-        lp_mat = torch.stack(logprobs, dim=1).float().cpu()
-        version = self.version_fn() if self.version_fn is not None else "default"
-        group = []
-        for i in range(n):
-            length = int(finished_at[i])
-            token_ids = tok_mat[i, :length].tolist()
-            group.append(
-                Completion(
-                    prompt=prompt,
-                    token_ids=token_ids,
-                    logprobs=lp_mat[i, :length].tolist(),
-                    finish_reason="stop" if bool(done[i]) else "length",
-                    weight_version=version,
-                    text=self.decode_fn(token_ids) if self.decode_fn is not None else "",
-                )
+            result = generate(
+                self.model,
+                ids,
+                mask,
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                stop_token_ids=stop,
+                suppress_token_ids=self.banned,
+                pad_token_id=self.pad_id,
+                **mm,
             )
-        return group
+        version = self.version_fn() if self.version_fn is not None else "default"
+        tokens, logprobs = result.token_lists(), result.logprob_lists()
+        groups = []
+        for i, prompt in enumerate(prompts):
+            group = []
+            for row in range(i * n, (i + 1) * n):
+                group.append(
+                    Completion(
+                        prompt=prompt,
+                        token_ids=tokens[row],
+                        logprobs=logprobs[row],
+                        finish_reason=result.finish_reasons[row],
+                        weight_version=version,
+                        text=self.decode_fn(tokens[row]) if self.decode_fn is not None else "",
+                    )
+                )
+            groups.append(group)
+        return groups
