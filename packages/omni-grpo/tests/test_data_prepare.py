@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from omni_grpo.cli import main
+from omni_grpo.data import DataError, read_samples
 from omni_grpo.data.prepare import prepare_avqa, prepare_video_r1
-from omni_grpo.data.schema import DataError, read_samples
 
 # R1-AQA's documented record layout (AVQA fields + dataset_name + audio_path); answer is a 0-based index.
 AVQA = [

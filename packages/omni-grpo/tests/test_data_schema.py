@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from omni_grpo.data.schema import DataError, iter_rows, read_samples, write_rows
+from omni_grpo.data import DataError, iter_rows, read_samples, write_rows
 from omni_grpo.data.sources import load_rows
 
 

@@ -180,22 +180,5 @@ def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@click.command("show-config")
-@config_options
-@click.option(
-    "--plan", "plan", is_flag=True, help="Also print the placement plan (see train --plan)."
-)
-@click.option("--gpus", type=int, default=None, help="With --plan: the GPUs available.")
-def show_config_command(cfg: Any, plan: bool, gpus: int | None) -> None:
-    """Print the fully resolved config (defaults, file, overrides) as YAML."""
-    from omni_grpo.config import dump_config
-
-    click.echo(dump_config(cfg), nl=False)
-    if plan:
-        from omni_grpo.cli_train import plan_text
-
-        click.echo(plan_text(cfg, gpus))
-
-
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,4 +1,4 @@
-"""``omni-grpo train`` and ``omni-grpo eval`` (registered in the ``omni_grpo.commands`` group)."""
+"""``omni-grpo train``, ``eval`` and ``show-config`` (registered in the ``omni_grpo.commands`` group)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,21 @@ def plan_text(cfg: Any, gpus: int | None = None) -> str:
         raise click.UsageError(str(err)) from None
 
 
+@click.command("show-config")
+@config_options
+@click.option(
+    "--plan", "plan", is_flag=True, help="Also print the placement plan (see train --plan)."
+)
+@click.option("--gpus", type=int, default=None, help="With --plan: the GPUs available.")
+def show_config_command(cfg: Any, plan: bool, gpus: int | None) -> None:
+    """Print the fully resolved config (defaults, file, overrides) as YAML."""
+    from omni_grpo.config import dump_config
+
+    click.echo(dump_config(cfg), nl=False)
+    if plan:
+        click.echo(plan_text(cfg, gpus))
+
+
 @click.command("eval")
 @config_options
 @click.option(
@@ -109,13 +124,13 @@ def eval_command(
     from omni_grpo.config import check_paths
     from omni_grpo.data.dataset import OmniDataset
     from omni_grpo.data.prompt import PromptBuilder
+    from omni_grpo.models.sideband import media_token_ids
     from omni_grpo.rollout import create_engine
     from omni_grpo.run.checkpoint import latest_checkpoint, load_checkpoint
     from omni_grpo.trainer import (
         end_of_turn_ids,
         evaluate,
         evaluate_ablated,
-        media_token_ids,
         prepare_data,
         prepare_model,
     )

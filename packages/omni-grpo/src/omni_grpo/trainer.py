@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import time
 from collections import defaultdict
@@ -28,6 +27,7 @@ import torch
 
 from omni_grpo.algo import group_advantages
 from omni_grpo.backends import create_backend
+from omni_grpo.models.sideband import media_token_ids
 from omni_grpo.ray.placement import plan_run
 from omni_grpo.rewards import score_sample
 from omni_grpo.rollout import IN_PROCESS, create_engine
@@ -42,6 +42,7 @@ from omni_grpo.run.checkpoint import (
 from omni_grpo.run.health import SignalWatch
 from omni_grpo.run.metrics import MetricsLogger, read_metrics
 from omni_grpo.run.plots import plot_run
+from omni_grpo.run.process import configure_threads, seed_everything
 from omni_grpo.run.progress import TrainProgress
 from omni_grpo.run.rundir import (
     check_resume,
@@ -111,12 +112,6 @@ def prepare_data(data: DataConfig, run_dir: Path) -> DataConfig:
     return data.model_copy(update={"train": train, "eval": evaluation, "root": train.parent})
 
 
-def media_token_ids(model: Any) -> list[int]:
-    """The ids a completion must never contain (``models.sideband.BANNED_ID_FIELDS``), if known."""
-    sideband = getattr(model, "sideband", None)
-    return [] if sideband is None else sideband.banned_ids
-
-
 def end_of_turn_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     """Ids that end a completion: ``eos_token_id`` of the model's generation config (the
     checkpoint's own choice, int or list), else the tokenizer's EOS. The first one is the
@@ -130,24 +125,6 @@ def end_of_turn_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     if eos is None:
         raise ValueError(f"{path}: no eos_token_id, and the tokenizer has no EOS token either")
     return [int(x) for x in (eos if isinstance(eos, list) else [eos])]
-
-
-def configure_threads() -> None:
-    """Intra-op threads for CPU runs: ``OMNI_GRPO_TORCH_THREADS`` (default 1).
-
-    The embedded CPU path runs tiny models whose ops take microseconds; there OpenMP threads only
-    add synchronisation, and on a shared or oversubscribed machine their spin-waits made one
-    rollout 30-100x slower than a single thread (measured: 0.5-2 s vs 17 ms per group of 8).
-    """
-    threads = int(os.environ.get("OMNI_GRPO_TORCH_THREADS", "1"))
-    if threads > 0:
-        torch.set_num_threads(threads)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 # ------------------------------------------------------------------------------------ data order

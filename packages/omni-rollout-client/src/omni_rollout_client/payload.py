@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ClientValidationError
-from .tensors import FLOAT_WIRE_DTYPES, EncodedTensor, _is_torch_tensor
+from .tensors import FLOAT_WIRE_DTYPES, EncodedTensor, is_torch_tensor
 
 # The 8 names sglang-omni 0.1.9's preprocessor accepts (anything else is a 400).
 MM_TENSOR_NAMES: tuple[str, ...] = (
@@ -125,7 +125,7 @@ def _dumps(value: Any) -> bytes:
 
 def normalize_input_ids(input_ids: Any, *, vocab_size: int | None = None) -> list[int]:
     """1-D ids from a list, numpy array or torch tensor; refuses what the server would 4xx."""
-    if _is_torch_tensor(input_ids):
+    if is_torch_tensor(input_ids):
         input_ids = input_ids.detach().cpu().numpy()
     array = np.asarray(input_ids)
     if array.ndim == 2 and array.shape[0] == 1:
@@ -146,7 +146,7 @@ def normalize_input_ids(input_ids: Any, *, vocab_size: int | None = None) -> lis
 
 
 def _np_view(value: Any) -> np.ndarray:
-    if _is_torch_tensor(value):
+    if is_torch_tensor(value):
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
             value = value.float()

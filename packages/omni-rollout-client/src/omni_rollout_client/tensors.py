@@ -52,13 +52,13 @@ def b64encode(buffer: np.ndarray) -> bytes:
     return binascii.b2a_base64(view, newline=False)
 
 
-def _is_torch_tensor(value: Any) -> bool:
+def is_torch_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "detach")
 
 
 def to_wire_array(name: str, value: Any) -> tuple[np.ndarray, str]:
     """Return ``(contiguous little-endian array holding the raw bytes, wire dtype name)``."""
-    if _is_torch_tensor(value):
+    if is_torch_tensor(value):
         torch = sys.modules["torch"]
         tensor = value.detach()
         if tensor.device.type != "cpu":
@@ -113,7 +113,7 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 def cast_to_bf16(name: str, value: Any) -> tuple[np.ndarray, str]:
     """Cast a floating tensor to bf16 (torch's own cast for torch input), as wire bits."""
-    if _is_torch_tensor(value) and value.dtype.is_floating_point:
+    if is_torch_tensor(value) and value.dtype.is_floating_point:
         torch = sys.modules["torch"]
         return to_wire_array(name, value.detach().to(torch.bfloat16))
     array, dtype_name = to_wire_array(name, value)

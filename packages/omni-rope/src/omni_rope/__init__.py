@@ -5,13 +5,13 @@
 ``install_omni_rope`` makes a bare HF Qwen3-VL-MoE model use it (for HF ``generate`` users).
 """
 
+from omni_rope.audio import audio_output_length
 from omni_rope.config import OmniRopeConfig
 from omni_rope.errors import OmniRopeError
 from omni_rope.hf_vl import OmniRopeHandle, install_omni_rope, next_position_ids
 from omni_rope.layout import (
     audio_in_video_body_kinds,
     audio_in_video_segment_ids,
-    audio_output_length,
     audio_segment_ids,
     image_segment_ids,
     video_segment_ids,

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_rope.audio import audio_output_length
 from omni_rope.errors import OmniRopeError
 
 # Thinker-level fields (same key in an Omni ``thinker_config`` and in the VL ``omni_sideband``).
@@ -157,8 +158,6 @@ class OmniRopeConfig:
 
     def audio_output_length(self, n_mel_frames: Any) -> Any:
         """Audio tokens for ``n_mel_frames`` with this config's audio window."""
-        from omni_rope.layout import audio_output_length
-
         return audio_output_length(n_mel_frames, n_window=self.audio_n_window)
 
 

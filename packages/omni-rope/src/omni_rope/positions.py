@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from omni_rope.audio import audio_output_length
 from omni_rope.config import OmniRopeConfig
 from omni_rope.errors import OmniRopeError
-from omni_rope.layout import audio_output_length
 
 # Token kinds.
 TEXT, VS, VE, AS, AE, IMG, VID, AUD = range(8)

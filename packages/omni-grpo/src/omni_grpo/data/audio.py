@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 # The one definition of the audio tower's output length lives in omni-rope.
-from omni_rope.layout import audio_output_length
+from omni_rope import audio_output_length
 
 WHISPER_DEFAULTS: dict[str, Any] = {
     "feature_size": 128,

@@ -23,7 +23,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -184,32 +184,6 @@ def parse_row(obj: Any, where: str) -> DatasetRow:
         return DatasetRow.model_validate(obj)
     except ValidationError as err:
         raise DataError(f"{where}: {_format_errors(err)}", error_reason(err)) from None
-
-
-def iter_rows(path: str | os.PathLike[str]) -> Iterator[DatasetRow]:
-    """Stream validated rows from a jsonl file, STRICTLY: the first bad row raises DataError.
-
-    For checking a file a tool wrote; training reads through the lenient ``read_samples``.
-    """
-    from omni_grpo.data.sources import jsonl_records
-
-    for rec in jsonl_records(Path(path)):
-        if rec.problem is not None:
-            raise DataError(rec.problem[1], rec.problem[0])
-        yield parse_row(rec.obj, rec.where)
-
-
-def read_samples(
-    path: str | os.PathLike[str] | list[str | os.PathLike[str]],
-    columns: dict[str, str] | None = None,
-    strict: bool = False,
-) -> list[Sample]:
-    """All usable rows of a dataset (jsonl, parquet, glob, list, datasets dir) as Samples, media
-    NOT decoded. Bad rows are skipped and counted (``strict``: the first one raises); a file
-    with no usable row raises. See ``omni_grpo.data.sources.load_rows``."""
-    from omni_grpo.data.sources import load_rows
-
-    return load_rows(path, columns, strict=strict).samples
 
 
 PARQUET_ROW_GROUP = 64  # rows per row group: random access reads one group (see sources.py)

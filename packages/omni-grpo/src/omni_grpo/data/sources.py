@@ -40,6 +40,7 @@ from omni_grpo.data.schema import (
     PLACEHOLDER,
     ROW_FIELDS,
     DataError,
+    DatasetRow,
     parse_row,
 )
 from omni_grpo.types import Sample
@@ -555,3 +556,25 @@ def load_rows(
         tally.finish()
         skipped.update(tally.skips)
     return LoadedRows(samples, skipped, sources)
+
+
+def iter_rows(path: str | os.PathLike[str]) -> Iterator[DatasetRow]:
+    """Stream validated rows from a jsonl file, STRICTLY: the first bad row raises DataError.
+
+    For checking a file a tool wrote; training reads through the lenient ``read_samples``.
+    """
+    for rec in jsonl_records(Path(path)):
+        if rec.problem is not None:
+            raise DataError(rec.problem[1], rec.problem[0])
+        yield parse_row(rec.obj, rec.where)
+
+
+def read_samples(
+    path: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    columns: dict[str, str] | None = None,
+    strict: bool = False,
+) -> list[Sample]:
+    """All usable rows of a dataset (jsonl, parquet, glob, list, datasets dir) as Samples, media
+    NOT decoded. Bad rows are skipped and counted (``strict``: the first one raises); a file
+    with no usable row raises. See :func:`load_rows`."""
+    return load_rows(path, columns, strict=strict).samples

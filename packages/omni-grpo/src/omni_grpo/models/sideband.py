@@ -72,3 +72,10 @@ def read_sideband(extracted_dir: str | Path) -> OmniSideband:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: expected omni-extract's 'vl' output directory")
     return parse_sideband(json.loads(path.read_text()), path)
+
+
+def media_token_ids(model: Any) -> list[int]:
+    """The ids a completion must never contain (``BANNED_ID_FIELDS``) for ``model``'s sideband;
+    ``[]`` for a model without one (e.g. a Megatron policy the loop does not hold)."""
+    sideband = getattr(model, "sideband", None)
+    return [] if sideband is None else sideband.banned_ids

@@ -87,7 +87,8 @@ class TrainerActor:
 
         from omni_grpo.backends import create_backend
         from omni_grpo.backends.torch_backend import resolve_device
-        from omni_grpo.trainer import configure_threads, media_token_ids, seed_everything
+        from omni_grpo.models.sideband import media_token_ids
+        from omni_grpo.run.process import configure_threads, seed_everything
 
         os.environ.update(env)
         configure_threads()
@@ -188,8 +189,9 @@ class RolloutActor:
 
         from omni_grpo.backends.torch_backend import resolve_device
         from omni_grpo.models import load_thinker
+        from omni_grpo.models.sideband import media_token_ids
         from omni_grpo.rollout.embedded import EmbeddedEngine
-        from omni_grpo.trainer import configure_threads, media_token_ids
+        from omni_grpo.run.process import configure_threads
 
         configure_threads()
         m = self.cfg.model

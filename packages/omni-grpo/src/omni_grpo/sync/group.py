@@ -87,13 +87,7 @@ def join_store(master_address: str, port: int, world_size: int, timeout_s: float
 
 
 def _c10d_new_group(
-    store: dist.Store,
-    *,
-    group_name: str,
-    world_size: int,
-    rank: int,
-    backend: str,
-    timeout_s: float,
+    prefixed: dist.PrefixStore, name: str, size: int, rank: int, backend: str, timeout: timedelta
 ) -> dist.ProcessGroup:
     """The one place that touches ``torch.distributed``'s private API, and why.
 
@@ -108,16 +102,9 @@ def _c10d_new_group(
     params = inspect.signature(helper).parameters
     options = "backend_options" if "backend_options" in params else "pg_options"
     pg, _ = helper(
-        world_size,
-        rank,
-        [],
-        backend,
-        store,
-        group_name=group_name,
-        timeout=timedelta(seconds=timeout_s),
-        **{options: None},
+        size, rank, [], backend, prefixed, group_name=name, timeout=timeout, **{options: None}
     )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(size)}
     return pg
 
 
@@ -134,12 +121,7 @@ def build_group(
 
     Blocks (gloo: in here; nccl: at the first collective) until all ``world_size`` ranks joined.
     """
-    pg = _c10d_new_group(
-        dist.PrefixStore(group_name, store),
-        group_name=group_name,
-        world_size=world_size,
-        rank=rank,
-        backend=backend,
-        timeout_s=timeout_s,
-    )
+    prefixed = dist.PrefixStore(group_name, store)
+    timeout = timedelta(seconds=timeout_s)
+    pg = _c10d_new_group(prefixed, group_name, world_size, rank, backend, timeout)
     return WeightUpdateGroup(group_name, world_size, rank, backend, store, pg)

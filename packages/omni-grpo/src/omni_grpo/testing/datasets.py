@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omni_grpo.data.schema import MEDIA_COLUMNS, read_samples
+from omni_grpo.data.schema import MEDIA_COLUMNS
+from omni_grpo.data.sources import read_samples
 from omni_grpo.data.tables import write_embedded_parquet
 
 # list column -> the datasets feature class name of its items

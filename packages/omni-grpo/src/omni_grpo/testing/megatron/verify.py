@@ -170,7 +170,7 @@ def _grpo_batch(cfg: dict[str, Any], n_prompts: int, group: int, seed: int) -> A
 def tp_step(out: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
-    from omni_grpo.backends.megatron._mcore import mcore
+    from omni_grpo.backends.megatron import mcore
     from omni_grpo.backends.megatron.backend import MegatronBackend
     from omni_grpo.backends.megatron.model import (
         SafetensorsDir,
