@@ -159,14 +159,14 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     import omni_grpo
     from omni_grpo.algo import group_advantages
     from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, DataConfig, TrainerConfig
+    from omni_grpo.config import AlgoConfig, DataConfig, SamplingParams, TrainerConfig
     from omni_grpo.data import prompt as prompt_mod
     from omni_grpo.data.media import VideoClip
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.models import load_thinker
     from omni_grpo.rollout.embedded import EmbeddedEngine
     from omni_grpo.trainer import media_token_ids
-    from omni_grpo.types import GRPOBatch, Sample, SamplingConfig
+    from omni_grpo.types import GRPOBatch, Sample
 
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
     prompt_mod.load_video = lambda path, fps, max_frames: VideoClip(np.load(path), args.fps)
@@ -200,7 +200,7 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
         decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
         banned_token_ids=media_token_ids(model),
     )
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     torch.manual_seed(args.seed)
     ends, tokens, diffs, gen_s = [_sync_time(args.device)], [], [], []
     peak = {"generation": 0.0, "update": 0.0}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omni_grpo.config import DataConfig, ModelConfig, TinyModelConfig
+from omni_grpo.config import DataConfig, ModelConfig, SamplingParams, TinyModelConfig
 from omni_grpo.data.collate import repeat_mm
 from omni_grpo.data.dataset import OmniDataset
 from omni_grpo.data.prompt import PromptBuilder
@@ -13,7 +13,6 @@ from omni_grpo.models.generation import sample_step
 from omni_grpo.rollout import create_engine
 from omni_grpo.rollout.embedded import EmbeddedEngine
 from omni_grpo.trainer import media_token_ids, prepare_model
-from omni_grpo.types import SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +49,7 @@ def test_cached_logprobs_match_full_recompute(setup: tuple, temperature: float) 
     model, ds, eos = setup
     engine = EmbeddedEngine(model, [eos], banned_token_ids=media_token_ids(model))
     torch.manual_seed(0)
-    sampling = SamplingConfig(temperature=temperature, max_new_tokens=6)
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=6)
     seen = set()
     for i in range(len(ds)):  # image, audio and video prompts
         prompt = ds.load(i)
@@ -71,13 +70,13 @@ def test_eos_ends_a_sample_and_is_kept(setup: tuple) -> None:
     # Every token stops: each sample is exactly one token long, finished by "stop".
     stop_all = list(range(model.lm_head.weight.shape[0]))
     engine = EmbeddedEngine(model, [eos])
-    group = engine.generate([prompt], 4, SamplingConfig(max_new_tokens=5, stop_token_ids=stop_all))[
+    group = engine.generate([prompt], 4, SamplingParams(max_new_tokens=5, stop_token_ids=stop_all))[
         0
     ]
     assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" for c in group)
     # No stop token reachable (all banned but never sampled): runs to max_new_tokens.
     group = EmbeddedEngine(model, [eos], banned_token_ids=[eos]).generate(
-        [prompt], 2, SamplingConfig(max_new_tokens=4)
+        [prompt], 2, SamplingParams(max_new_tokens=4)
     )[0]
     assert all(len(c.token_ids) == 4 and c.finish_reason == "length" for c in group)
 
@@ -89,7 +88,7 @@ def test_engine_shares_the_trainers_weights(setup: tuple) -> None:
     engine = create_engine(RolloutConfig(), policy=model, eos_token_ids=[eos])
     assert isinstance(engine, EmbeddedEngine) and engine.model is model
     prompt = ds.load(0)
-    greedy = SamplingConfig(temperature=0.0, max_new_tokens=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
     before = engine.generate([prompt], 1, greedy)[0][0].token_ids[0]
     w = model.lm_head.weight
     target = (before + 1) % w.shape[0]
@@ -135,7 +134,7 @@ def test_groups_of_one_step_share_one_batch(setup: tuple) -> None:
     prompts = [ds.load(i) for i in range(len(ds))]
     assert len({len(p.input_ids) for p in prompts}) > 1  # left padding is exercised
     torch.manual_seed(1)
-    groups = engine.generate(prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=5))
+    groups = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=5))
     assert [g[0].prompt for g in groups] == prompts
     for prompt, group in zip(prompts, groups, strict=True):
         for c in group:

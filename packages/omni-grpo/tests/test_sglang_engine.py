@@ -7,12 +7,13 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from omni_grpo.config import SglangOmniConfig
+from omni_grpo.config import SamplingParams, SglangOmniConfig
 from omni_grpo.rollout.sglang_omni import SglangOmniEngine, SglangOmniEngineError
-from omni_grpo.types import PromptInputs, RolloutEngine, Sample, SamplingConfig
+from omni_grpo.types import PromptInputs, RolloutEngine, Sample
 from omni_rollout_client.errors import ClientValidationError
 from omni_rollout_client.payload import PreparedPrompt
 from omni_rollout_client.testing import FakeGeneration, FakeOmniServer, FakeRequest
+from pydantic import ValidationError
 
 VOCAB = 1000
 
@@ -67,7 +68,7 @@ def test_n_completions_per_prompt_with_server_ids_logprobs_and_seeds(server, mon
 
     monkeypatch.setattr(PreparedPrompt, "build", classmethod(counting_build))
     prompts = [make_prompt("u0", seed=0), make_prompt("u1", seed=1)]
-    sampling = SamplingConfig(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=5, seed=11)
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=5, seed=11)
     engine = engine_for(server)
     try:
         groups = engine.generate(prompts, 3, sampling)
@@ -110,7 +111,7 @@ def test_bf16_payload_hands_the_trainer_the_rounded_tensors(server) -> None:
     original = {k: v.clone() for k, v in prompt.mm.items()}
     engine = engine_for(server, bf16_payload=True)
     try:
-        engine.generate([prompt], 2, SamplingConfig(temperature=1.0, max_new_tokens=4))
+        engine.generate([prompt], 2, SamplingParams(temperature=1.0, max_new_tokens=4))
     finally:
         engine.close()
     rec = server.records[0]
@@ -137,7 +138,7 @@ def test_fp32_payload_leaves_tensors_alone(server) -> None:
     original = prompt.mm["pixel_values"].clone()
     engine = engine_for(server, bf16_payload=False)
     try:
-        engine.generate([prompt], 2, SamplingConfig(temperature=1.0, max_new_tokens=4))
+        engine.generate([prompt], 2, SamplingParams(temperature=1.0, max_new_tokens=4))
     finally:
         engine.close()
     assert torch.equal(prompt.mm["pixel_values"], original)
@@ -146,19 +147,26 @@ def test_fp32_payload_leaves_tensors_alone(server) -> None:
 
 
 @pytest.mark.parametrize(
-    "sampling",
+    "bad",
     [
-        {"temperature": 1.0, "max_new_tokens": 4, "n": 4},  # plain-sglang key: 422 on the server
-        {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True},
-        {"temperature": 1.0},  # no token budget
-        SamplingConfig(temperature=1.0, top_k=0, max_new_tokens=4),  # a 500 on the server
+        {"n": 4},  # plain-sglang key: 422 on the server
+        {"ignore_eos": True},
+        {"max_new_tokens": 0},  # no token budget
     ],
 )
-def test_bad_sampling_fails_before_sending(server, sampling) -> None:
+def test_sampling_outside_the_contract_never_reaches_an_engine(bad) -> None:
+    """Engines take only the one validated sampling type, so these fail at config time."""
+    with pytest.raises(ValidationError):
+        SamplingParams(temperature=1.0, **bad)
+
+
+def test_bad_sampling_fails_before_sending(server) -> None:
     engine = engine_for(server)
     try:
-        with pytest.raises((ClientValidationError, ValueError)):
-            engine.generate([make_prompt("x")], 2, sampling)
+        with pytest.raises((ClientValidationError, ValueError)):  # a 500 on the server
+            engine.generate(
+                [make_prompt("x")], 2, SamplingParams(temperature=1.0, top_k=0, max_new_tokens=4)
+            )
     finally:
         engine.close()
     assert server.records == [] and server.admin_log == []
@@ -170,7 +178,7 @@ def test_aborted_sample_is_resumed_with_the_remaining_budget(server) -> None:
     engine = engine_for(server)
     try:
         (group,) = engine.generate(
-            [prompt], 1, SamplingConfig(temperature=1.0, max_new_tokens=6, seed=2)
+            [prompt], 1, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2)
         )
     finally:
         engine.close()
@@ -191,7 +199,7 @@ def test_failed_rollout_aborts_everything_and_raises(server) -> None:
             engine.generate(
                 [make_prompt("a"), make_prompt("b")],
                 2,
-                SamplingConfig(temperature=1.0, max_new_tokens=4),
+                SamplingParams(temperature=1.0, max_new_tokens=4),
             )
     finally:
         engine.close()
@@ -205,7 +213,7 @@ def test_completions_carry_the_server_weight_version(server) -> None:
     engine = engine_for(server)
     try:
         (group,) = engine.generate(
-            [make_prompt("w")], 2, SamplingConfig(temperature=1.0, max_new_tokens=4)
+            [make_prompt("w")], 2, SamplingParams(temperature=1.0, max_new_tokens=4)
         )
     finally:
         engine.close()
@@ -250,7 +258,7 @@ def test_sampled_media_markers_are_rerolled_not_kept() -> None:
         )
         try:
             (group,) = engine.generate(
-                [prompt], 2, SamplingConfig(temperature=1.0, max_new_tokens=8, seed=3)
+                [prompt], 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
             )
         finally:
             engine.close()
@@ -280,7 +288,7 @@ def test_a_sample_that_keeps_sampling_markers_ends_as_abort() -> None:
         )
         try:
             (group,) = engine.generate(
-                [make_prompt("k")], 1, SamplingConfig(temperature=1.0, max_new_tokens=10)
+                [make_prompt("k")], 1, SamplingParams(temperature=1.0, max_new_tokens=10)
             )
         finally:
             engine.close()
@@ -297,7 +305,7 @@ def test_groups_spread_over_worker_urls_across_calls() -> None:
         try:
             for step in range(2):  # one prompt per call: the second call goes to the second server
                 engine.generate(
-                    [make_prompt(f"s{step}")], 2, SamplingConfig(temperature=1.0, max_new_tokens=4)
+                    [make_prompt(f"s{step}")], 2, SamplingParams(temperature=1.0, max_new_tokens=4)
                 )
         finally:
             engine.close()

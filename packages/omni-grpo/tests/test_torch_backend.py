@@ -8,10 +8,10 @@ import pytest
 import torch
 from omni_grpo.backends import available_backends, backend_factory
 from omni_grpo.backends.torch_backend import TorchBackend, make_micro_batches
-from omni_grpo.config import AlgoConfig, TrainerConfig
+from omni_grpo.config import AlgoConfig, SamplingParams, TrainerConfig
 from omni_grpo.rollout.embedded import EmbeddedEngine
 from omni_grpo.trainer import media_token_ids
-from omni_grpo.types import GRPOBatch, SamplingConfig
+from omni_grpo.types import GRPOBatch
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_step_on_gpu_with_bf16_autocast(world: dict) -> None:
         autocast_dtype=torch.bfloat16,
         banned_token_ids=media_token_ids(model),
     )
-    groups = engine.generate(world["prompts"], 4, SamplingConfig(max_new_tokens=3))
+    groups = engine.generate(world["prompts"], 4, SamplingParams(max_new_tokens=3))
     metrics = backend.step(GRPOBatch(groups, torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(groups))))
     assert metrics["skipped_step"] == 0
     # cached bf16 decoding vs the trainer's bf16 recompute: close, not bit-identical

@@ -171,7 +171,7 @@ def eval_command(
         vocab_size=len(tok),
     )
     eval_set = OmniDataset(data_cfg.eval, data_cfg.root, builder)
-    args = (cfg.rollout.eval_sampling.to_sampling(), cfg.rewards, cfg.eval.max_samples)
+    args = (cfg.rollout.eval_sampling, cfg.rewards, cfg.eval.max_samples)
     ablations = list(dict.fromkeys(ablate or cfg.eval.ablations))
     result = {
         **evaluate(engine, eval_set, *args),

@@ -208,7 +208,14 @@ class DataConfig(_Strict):
 
 # ----------------------------------------------------------------------------------------- rollout
 class SamplingParams(_Strict):
-    """Mirror of ``omni_grpo.types.SamplingConfig`` with validation; ``to_sampling()`` converts."""
+    """How completions are sampled: the one sampling type, from the YAML to the engines.
+
+    Validated once here and handed to the rollout engines as it is (the embedded sampler, the
+    sglang-omni request body, the Ray rollout actors); frozen, so no engine can change the run's
+    sampling for the next call.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -216,11 +223,6 @@ class SamplingParams(_Strict):
     max_new_tokens: int = Field(64, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
-
-    def to_sampling(self) -> Any:
-        from omni_grpo.types import SamplingConfig
-
-        return SamplingConfig(**self.model_dump())
 
 
 class SglangLaunchConfig(_Strict):

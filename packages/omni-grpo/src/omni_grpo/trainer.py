@@ -350,8 +350,7 @@ def train(
             from omni_grpo.sync import make_weight_sync
 
             sync = make_weight_sync(cfg.rollout.sglang, run_dir=run_dir)
-    sampling = cfg.rollout.sampling.to_sampling()
-    eval_sampling = cfg.rollout.eval_sampling.to_sampling()
+    sampling, eval_sampling = cfg.rollout.sampling, cfg.rollout.eval_sampling
 
     # --- resume
     state = TrainState()

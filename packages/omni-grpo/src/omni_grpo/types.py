@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from omni_grpo.config import SamplingParams
 
 
 @dataclass
@@ -55,22 +58,12 @@ class Completion:
     reward: float = 0.0
 
 
-@dataclass
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates ``n`` completions per prompt (embedded in-process, or an sglang-omni server)."""
 
     def generate(
-        self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig
+        self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]: ...
 
     def close(self) -> None:

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from omni_grpo.config import SamplingParams
 from omni_grpo.sync.base import NamedTensors, SourceLayout, SyncReport, WeightSyncError
 from omni_grpo.sync.buckets import buckets
 from omni_grpo.sync.group import build_group, host_store
-from omni_grpo.types import Completion, PromptInputs, SamplingConfig
+from omni_grpo.types import Completion, PromptInputs
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class RayRolloutEngine:
         self.decode_fn = decode_fn
 
     def generate(
-        self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig
+        self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:
         seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
         chunks = split_evenly(list(range(len(prompts))), len(self.actors))

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from omni_grpo.config import SamplingParams
 from omni_grpo.data.collate import collate_mm, repeat_mm
 from omni_grpo.models.generation import generate
-from omni_grpo.types import Completion, PromptInputs, SamplingConfig
+from omni_grpo.types import Completion, PromptInputs
 
 
 class EmbeddedEngine:
@@ -96,7 +97,7 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig
+        self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:
         per_batch = max(1, self.max_batch_rows // max(n, 1))
         groups: list[list[Completion]] = []
@@ -105,7 +106,7 @@ class EmbeddedEngine:
         return groups
 
     def _generate_batch(
-        self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig
+        self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:
         width = max(len(p.input_ids) for p in prompts)
         ids = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.long)

@@ -30,7 +30,7 @@ import asyncio
 import dataclasses
 import logging
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omni_rollout_client.client import ModelInfo, OmniRolloutClient
@@ -39,8 +39,9 @@ from omni_rollout_client.result import GenerateResult, concat_results
 from omni_rollout_client.sampling import filter_sampling_params
 
 from omni_grpo.aio import BackgroundLoop, gather
+from omni_grpo.config import SamplingParams
 from omni_grpo.sglang import make_clients
-from omni_grpo.types import Completion, PromptInputs, SamplingConfig
+from omni_grpo.types import Completion, PromptInputs
 
 log = logging.getLogger(__name__)
 
@@ -59,31 +60,21 @@ def sample_seeds(seed: int | None, uid: str, n: int) -> list[int] | None:
     return [(base + i) % SEED_MODULUS for i in range(n)]
 
 
-def sampling_params(sampling: SamplingConfig | Mapping[str, Any]) -> dict[str, Any]:
+def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
     """The ``sampling_params`` sent to the server, validated (raises before anything is sent).
 
-    ``seed`` is left out here: it is set per sample. ``temperature`` is always explicit.
+    ``seed`` is left out here: it is set per sample. ``temperature`` is always explicit, and so is
+    ``max_new_tokens`` (the server default is 2048, and resume needs the total budget).
     """
-    if isinstance(sampling, SamplingConfig):
-        raw: dict[str, Any] = {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "max_new_tokens": sampling.max_new_tokens,
-        }
-        if sampling.stop_token_ids:
-            raw["stop_token_ids"] = list(sampling.stop_token_ids)
-    else:
-        raw = {k: v for k, v in sampling.items() if k != "seed"}
-    params = filter_sampling_params(raw)
-    if "max_new_tokens" not in params:
-        # The server default is 2048, and resume needs the total budget: always send it.
-        raise ValueError("sampling: max_new_tokens must be given (the sample's total token budget)")
-    return params
-
-
-def _seed_of(sampling: SamplingConfig | Mapping[str, Any]) -> int | None:
-    return sampling.seed if isinstance(sampling, SamplingConfig) else sampling.get("seed")
+    raw: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": sampling.max_new_tokens,
+    }
+    if sampling.stop_token_ids:
+        raw["stop_token_ids"] = list(sampling.stop_token_ids)
+    return filter_sampling_params(raw)
 
 
 class SglangOmniEngine:
@@ -201,7 +192,7 @@ class SglangOmniEngine:
         return prepared
 
     def generate(
-        self, prompts: list[PromptInputs], n: int, sampling: SamplingConfig | Mapping[str, Any]
+        self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:
         """``n`` completions per prompt, in prompt order; raises rather than return a short group."""
         if n < 1:
@@ -210,7 +201,7 @@ class SglangOmniEngine:
         if self.banned:
             # Stop as soon as a media marker is sampled (it is rerolled below, not kept).
             params["stop_token_ids"] = sorted(set(params.get("stop_token_ids", [])) | self.banned)
-        seed = _seed_of(sampling)
+        seed = sampling.seed
         prepared = [self.prepare(p) for p in prompts]  # encoding errors also fail before sending
         if not self._ready:
             self.preflight()

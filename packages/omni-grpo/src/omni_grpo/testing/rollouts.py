@@ -17,14 +17,13 @@ def rollout_world(
     root: Path, *, n_prompts: int = 3, n: int = 4, max_new_tokens: int = 4, seed: int = 0
 ) -> dict[str, Any]:
     """``{"vl", "audio", "model_cfg", "base", "prompts", "groups", "eos"}`` under ``root``."""
-    from omni_grpo.config import DataConfig, ModelConfig, TinyModelConfig
+    from omni_grpo.config import DataConfig, ModelConfig, SamplingParams, TinyModelConfig
     from omni_grpo.data.dataset import OmniDataset
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.data.synthetic import generate_synthetic
     from omni_grpo.models import load_thinker
     from omni_grpo.rollout.embedded import EmbeddedEngine
     from omni_grpo.trainer import media_token_ids, prepare_model
-    from omni_grpo.types import SamplingConfig
 
     model_cfg = ModelConfig(
         make_tiny=TinyModelConfig(), extracted_dir=root / "vl", audio_dir=root / "audio"
@@ -38,7 +37,7 @@ def rollout_world(
     torch.manual_seed(seed)
     engine = EmbeddedEngine(base, [eos], banned_token_ids=media_token_ids(base))
     prompts = [ds.load(i) for i in range(n_prompts)]
-    groups = engine.generate(prompts, n, SamplingConfig(max_new_tokens=max_new_tokens))
+    groups = engine.generate(prompts, n, SamplingParams(max_new_tokens=max_new_tokens))
     return {
         "vl": vl,
         "audio": audio,
