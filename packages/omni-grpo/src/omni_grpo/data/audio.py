@@ -72,6 +72,6 @@ def audio_features(
     return out["input_features"].float(), out["attention_mask"].long()
 
 
-def audio_tokens(feature_attention_mask: torch.Tensor, n_window: int = 50) -> int:
+def audio_tokens(feature_attention_mask: torch.Tensor, n_window: int) -> int:
     """Placeholder count for one audio = the tower's output length for its valid mel frames."""
     return int(audio_output_length(int(feature_attention_mask.sum().item()), n_window))
