@@ -298,6 +298,8 @@ def test_eval_ablations_are_modality_names() -> None:
     assert load_config(None, ["eval.ablations=[audio, all]"]).eval.ablations == ["audio", "all"]
     with pytest.raises(ConfigError, match="eval.ablations.0"):
         load_config(None, ["eval.ablations=[text]"])
+
+
 def test_extends_merges_over_the_base_and_resolves_each_files_paths(tmp_path) -> None:
     base = tmp_path / "base"
     base.mkdir()

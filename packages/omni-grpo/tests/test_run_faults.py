@@ -266,3 +266,16 @@ def test_train_refuses_reuse_and_config_changes_and_resumes_cleanly(
     again = train(_cfg(run, model), overwrite=True, progress=False)
     assert again.steps == 2 and [r["step"] for r in read_metrics(run)] == [0, 1, 2]
     assert latest_checkpoint(run).name == "step_000002"
+
+
+def test_every_staged_writer_reports_a_full_disk(tmp_path: Path) -> None:
+    with (
+        pytest.raises(atomic_dir.DiskFullError) as info,
+        atomic_dir.staged_dir(tmp_path / "dataset") as tmp,
+    ):
+        (tmp / "part-0.jsonl").write_bytes(b"x" * 5000)
+        raise OSError(28, "No space left on device")
+    msg = str(info.value)
+    assert msg.startswith(f"disk full while writing dataset: {tmp_path} has ")
+    assert "at least 5.0 KB needed" in msg
+    assert list(tmp_path.iterdir()) == []

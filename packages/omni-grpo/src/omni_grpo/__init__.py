@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
 }
 __all__ = sorted(_EXPORTS)
 
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -35,9 +35,22 @@ def staged_dir(dst: Path, *, replace_existing: bool = False) -> Iterator[Path]:
             else:
                 dst.rmdir()
         os.replace(tmp, dst)
-    except BaseException:
+    except BaseException as exc:
+        written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and not isinstance(exc, DiskFullError) and is_disk_full(exc):
+            # Every staged writer (checkpoints, model saves, datasets) reports a full disk alike.
+            raise DiskFullError(
+                disk_full_message(str(dst.name), dst.parent, written, at_least=True)
+            ) from exc
         raise
+
+
+def _tree_bytes(path: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    except OSError:
+        return 0
 
 
 # How the libraries we save with report a full disk: ENOSPC as an OSError, torch's C++ stream

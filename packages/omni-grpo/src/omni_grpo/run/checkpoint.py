@@ -148,13 +148,12 @@ def save_checkpoint(
             payload = {"format": FORMAT_VERSION, **asdict(state)}
             (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2))
             _fsync_tree(tmp)
-    except DiskFullError:
-        raise
     except Exception as exc:  # the temp dir is gone (staged_dir); say why the write failed
-        if is_disk_full(exc):
+        if is_disk_full(exc):  # staged_dir's own DiskFullError too: we know the size needed
+            cause = exc.__cause__ if isinstance(exc, DiskFullError) and exc.__cause__ else exc
             raise DiskFullError(
                 disk_full_message(f"checkpoint {final.name}", root, needed)
-            ) from exc
+            ) from cause
         raise
     _fsync_dir(root)
     pointer_tmp = root / f".{LATEST}.tmp"
