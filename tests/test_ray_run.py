@@ -81,6 +81,111 @@ def kill_when(run: Path, step: int, rank: int, done: threading.Event, out: dict)
         time.sleep(0.2)
 
 
+def test_tiny_ray_survives_a_killed_rank_and_learns(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path,
+        "tiny-ray-ci",
+        {
+            "run": {
+                "dir": str(run),
+                "steps": 40,
+                "save_every": 10,
+                "plots": False,
+            },
+            "eval": {"every": 20},
+            "data": {"synthetic": {"n_eval": 16}},
+        },
+    )
+    args = ["train", "--config", str(cfg), "--no-progress"]
+    done, killed = threading.Event(), {}
+    watcher = threading.Thread(target=kill_when, args=(run, 15, 1, done, killed), daemon=True)
+    watcher.start()
+    first = CliRunner().invoke(main, args)
+    done.set()
+    watcher.join(5)
+    assert killed, "the run ended before the kill"
+    assert first.exit_code == 1, first.output
+    err = first.output.strip().splitlines()
+    assert any(line.startswith("Error: trainer rank 1 died during") for line in err), first.output
+    assert "Traceback" not in first.output
+    assert "trainer-1.log" in first.output  # its last log lines are quoted
+    print(f"stopped {time.monotonic() - killed['t']:.1f}s after the kill:\n{first.output}")
+
+    second = CliRunner().invoke(main, [*args, "--resume"])
+    assert second.exit_code == 0, second.output
+    records = metrics(run)
+    steps = [r["step"] for r in records if r["step"] > 0]
+    assert steps == list(range(1, 41)), steps
+    final = records[-1]
+    for modality in ("image", "audio", "video"):
+        assert final[f"eval/accuracy/{modality}"] >= 0.9, final
+    assert (run / "logs" / "rollout-1.log").is_file()
+
+
+def test_two_rank_ddp_step_equals_one_process(tmp_path: Path) -> None:
+    from omni_grpo.algo import group_advantages
+    from omni_grpo.backends import create_backend
+    from omni_grpo.config import load_config
+    from omni_grpo.data.dataset import OmniDataset
+    from omni_grpo.data.prompt import PromptBuilder
+    from omni_grpo.ray.driver import ActorSet, RayTrainerGroup, start_trainers
+    from omni_grpo.ray.placement import plan_run
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+    from omni_grpo.trainer import media_token_ids, prepare_data, prepare_model, seed_everything
+    from omni_grpo.types import GRPOBatch
+
+    path = write_config(tmp_path, "ddp", {"run": {"dir": str(tmp_path / "run")}})
+    cfg = load_config(path, ["data.synthetic.n_train=8", "data.synthetic.n_eval=2"])
+    run_dir = Path(cfg.run.dir)
+    vl_dir, _ = prepare_model(cfg.model, run_dir)
+    data = prepare_data(cfg.data, run_dir)
+    builder = PromptBuilder(vl_dir, data)
+    dataset = OmniDataset(data.train, data.root, builder)
+    eos = builder.tokenizer.eos_token_id
+    seed_everything(0)
+    local = create_backend("torch", cfg.model, cfg.trainer, cfg.algo, pad_token_id=eos)
+    engine = EmbeddedEngine(local.policy, [eos], banned_token_ids=media_token_ids(local.policy))
+    # five prompts (an odd count: the shards differ in size) of all three modalities
+    prompts = [dataset.load(i) for i in range(5)]
+    groups = engine.generate(prompts, 4, cfg.rollout.sampling.to_sampling())
+    # advantages of a group with signal in every row (what the loop computes from rewards)
+    rewards = torch.rand(5, 4, generator=torch.Generator().manual_seed(0))
+    advantages = group_advantages(rewards, 4)
+    batch = GRPOBatch(groups, advantages, temperature=1.0)
+
+    want = local.step(batch)
+    want_w = local.trainable_state()
+
+    plan = plan_run(cfg)
+    assert plan.world_size == 2
+    trainers, pg, setups = start_trainers(cfg, plan, run_dir, eos)
+    try:
+        infos = trainers.get(setups, range(2), "start-up")
+        group = RayTrainerGroup(trainers, plan, 1 << 20, infos[0]["layout"])
+        got = group.step(batch)
+        got_w = group.trainable_state()
+        rank1_w = trainers.get([trainers.handles[1].trainable_state.remote()], [1], "state")[0]
+        names, layout = group.weights_for_sync()
+        streamed = dict(names)
+    finally:
+        trainers.kill()
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+    assert isinstance(trainers, ActorSet) and layout == "hf_memory"
+    for key in ("loss", "pg_loss", "grad_norm", "response_tokens"):
+        assert got[key] == pytest.approx(want[key], abs=1e-5), (key, got[key], want[key])
+    assert set(got_w) == set(want_w)
+    worst = max(float((got_w[k] - want_w[k]).abs().max()) for k in want_w)
+    print(
+        f"2-rank vs 1-process: worst weight diff {worst:.2e}, loss {got['loss']!r} vs {want['loss']!r}"
+    )
+    assert worst <= 1e-5, worst
+    assert all(torch.equal(got_w[k], rank1_w[k]) for k in got_w)  # DDP keeps the ranks equal
+    assert set(streamed) >= {k for k in want_w if not k.startswith("model.audio")}
+
+
 @pytest.mark.parametrize("sync_mode", ["disk", "distributed"])
 def test_sglang_engine_against_launched_fake_servers(tmp_path: Path, sync_mode: str) -> None:
     from omni_extract import names as omni_names

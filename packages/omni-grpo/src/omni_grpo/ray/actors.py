@@ -108,7 +108,12 @@ class TrainerActor:
             cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_token_id
         )
         log.info("rank %d/%d ready on %s", self.rank, self.world_size, self.backend.device)
+        # the layout only: the export itself is lazy (a Megatron generator starts no collective
+        # until iterated) and is dropped unread
+        _, layout = self.backend.weights_for_sync()
+        self.sync: Any = None
         return {
+            "layout": layout,
             "device": str(self.backend.device),
             "banned_token_ids": media_token_ids(getattr(self.backend, "policy", None)),
             "pid": os.getpid(),
@@ -134,17 +139,16 @@ class TrainerActor:
         self.backend.load_optimizer_state(state)
 
     def weights_for_sync(self, bucket_bytes: int) -> Iterator[Any]:
-        """A streaming generator: the layout first, then lists of ``(name, tensor)`` of at most
-        ``bucket_bytes`` each. Only rank 0 yields (the data-parallel ranks hold the same weights;
-        model-parallel backends gather the full tensors there); every other rank drains its own
-        export so that a collective export (Megatron TP/EP) completes, and yields nothing."""
-        weights, layout = self.backend.weights_for_sync()
+        """A streaming generator of lists of ``(name, tensor)``, at most ``bucket_bytes`` each
+        (the layout is known from ``setup``). Only rank 0 yields: the data-parallel ranks hold
+        the same weights, and model-parallel backends gather the full tensors there. Every other
+        rank drains its own export, so that a collective export (Megatron TP/EP) completes."""
+        weights, _layout = self.backend.weights_for_sync()
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         if self.rank != 0:
             for _ in pairs:
                 pass
             return
-        yield layout
         bucket: list[tuple[str, Any]] = []
         size = 0
         for name, tensor in pairs:
@@ -156,6 +160,28 @@ class TrainerActor:
                 bucket, size = [], 0
         if bucket:
             yield bucket
+
+    # ---------------------------------------------------------------- weight sync, sending end
+    def open_sync(self, sglang_cfg: Any, run_dir: str) -> None:
+        """Rank 0 builds ``rollout.sglang.sync_mode``'s sync here (``TrainerSideSync``)."""
+        if self.rank == 0:
+            from omni_grpo.sync import make_weight_sync
+
+            self.sync = make_weight_sync(sglang_cfg, run_dir=Path(run_dir))
+
+    def push_weights(self, version: str) -> Any:
+        """Rank 0 pushes its export under ``version``; the other ranks drain theirs."""
+        weights, layout = self.backend.weights_for_sync()
+        if self.rank != 0:
+            for _ in weights.items() if isinstance(weights, Mapping) else weights:
+                pass
+            return None
+        return self.sync.push(weights, version=version, layout=layout)
+
+    def close_sync(self) -> None:
+        sync, self.sync = self.sync, None
+        if sync is not None:
+            sync.close()
 
     def close(self) -> None:
         import torch.distributed as dist

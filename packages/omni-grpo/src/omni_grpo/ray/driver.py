@@ -9,14 +9,16 @@ and hands the loop three stand-ins:
   batch into data-parallel shards balanced by token count (``omni_grpo.algo.shard.shard_batch``),
   runs ``step`` on every trainer actor at once, and returns the metrics once. The backend
   all-reduces the normalisers and metrics, so every rank returns the same values, those of the
-  unsharded step. ``weights_for_sync()`` streams rank 0's export bucket by bucket (a Ray
-  streaming generator): no rank builds a full dict for the sync. Checkpoint state comes from
+  unsharded step. ``weights_for_sync()`` hands out rank 0's export unread: iterated, it streams
+  bucket by bucket (a Ray streaming generator); no rank builds a full dict for the sync. Checkpoint state comes from
   rank 0, where the data-parallel ranks hold identical weights. The driver writes it through
   ``run.checkpoint``'s staged directory, so a checkpoint is either whole or absent.
 * ``engine`` — the embedded engine over rollout actors (``omni_grpo.ray.rollout``), or the
   sglang-omni engine against the configured URLs plus those of the launched servers.
-* ``sync`` — into the rollout actors (``ActorWeightSync``), or the configured
-  ``rollout.sglang.sync_mode`` against every server.
+* ``sync`` — into the rollout actors (``ActorWeightSync``: the driver hosts the group and
+  broadcasts what it streams from rank 0), or the configured ``rollout.sglang.sync_mode`` against
+  every server, run by trainer rank 0 itself (``TrainerSideSync``): the rank that holds the full
+  export, and for NCCL the GPU, sends it; the tensors never pass through the driver.
 
 Faults: every wait on an actor goes through :meth:`ActorSet.get`. A dead actor (kill -9, OOM
 kill) or an exception inside one stops the wait at once with :class:`ActorFailure`. Its message
@@ -188,12 +190,15 @@ class RayTrainerGroup:
     policy = None  # the weights live in the actors: the loop samples through an engine
     is_driver = True
 
-    def __init__(self, actors: ActorSet, plan: PlacementPlan, bucket_bytes: int) -> None:
+    def __init__(
+        self, actors: ActorSet, plan: PlacementPlan, bucket_bytes: int, layout: str
+    ) -> None:
         import torch
 
         self.actors = actors
         self.plan = plan
         self.bucket_bytes = int(bucket_bytes)
+        self.layout = layout  # rank 0 backend's SourceLayout (from its setup)
         self.device = torch.device("cpu")
 
     def _all(
@@ -224,28 +229,24 @@ class RayTrainerGroup:
         t = [[y for _, y in parts[r.dp_rank]] for r in self.plan.ranks]
         return self._all("supervised_step", "supervised_step", p, t, shared=(lr,))[0]
 
-    def weights_for_sync(self) -> tuple[Iterator[tuple[str, Any]], str]:
-        """Rank 0's export as a stream of ``(name, tensor)``, pulled one bucket at a time."""
+    def weights_for_sync(self) -> tuple[RankExport, str]:
+        """Rank 0's export, not yet sent anywhere: iterating it streams the tensors to this
+        process bucket by bucket (what the rollout actors' sync does); a ``TrainerSideSync``
+        instead has rank 0 push it straight to the servers (nothing passes through here)."""
+        return RankExport(self), self.layout
 
+    def _stream(self) -> Iterator[tuple[str, Any]]:
         gens = [
             h.weights_for_sync.options(num_returns="streaming").remote(self.bucket_bytes)
             for h in self.actors.handles
         ]
-        layout = self._next(gens[0], 0)
-        if layout is None:
-            raise ActorFailure("trainer rank 0 exported no weights for the sync")
-
-        def stream() -> Iterator[tuple[str, Any]]:
-            while (bucket := self._next(gens[0], 0)) is not None:
-                yield from bucket
-            for r, gen in enumerate(gens[1:], start=1):  # the others only drain their export
-                while self._next(gen, r) is not None:
-                    pass
-
-        return stream(), layout
+        while (bucket := self._next(gens[0], 0)) is not None:
+            yield from bucket
+        for r, gen in enumerate(gens[1:], start=1):  # the others only drain their export
+            while self._next(gen, r) is not None:
+                pass
 
     def _next(self, gen: Any, rank: int) -> Any:
-
         try:
             ref = next(gen)
         except StopIteration:
@@ -276,6 +277,43 @@ class RayTrainerGroup:
 
     def close(self) -> None:
         """The actors end with the run (:meth:`RayRun.close`)."""
+
+
+class RankExport:
+    """The trainer's export as ``(name, tensor)`` pairs, streamed from rank 0 on iteration."""
+
+    def __init__(self, group: RayTrainerGroup) -> None:
+        self.group = group
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self.group._stream()
+
+
+class TrainerSideSync:
+    """``WeightSync`` run by trainer rank 0 itself: the rank that holds the full export (and the
+    GPU, for NCCL into the servers) builds ``rollout.sglang.sync_mode``'s sync in its own process
+    and pushes there, while every other rank drains its export for the collectives. The driver
+    only says when and under which version."""
+
+    def __init__(self, trainers: ActorSet, sglang_cfg: Any, run_dir: Path) -> None:
+        self.trainers = trainers
+        self.mode = str(sglang_cfg.sync_mode)
+        refs = [h.open_sync.remote(sglang_cfg, str(run_dir)) for h in trainers.handles]
+        trainers.get(refs, range(len(refs)), "weight-sync set-up")
+
+    def push(self, named_tensors: Any, version: str, *, layout: str = "hf_memory") -> Any:
+        if not isinstance(named_tensors, RankExport):
+            raise TypeError("TrainerSideSync pushes the trainer ranks' own export only")
+        refs = [h.push_weights.remote(str(version)) for h in self.trainers.handles]
+        return self.trainers.get(refs, range(len(refs)), f"weight sync {version}")[0]
+
+    def close(self) -> None:
+        """Close rank 0's sync; after a failed run a dead rank must not hide the first error."""
+        refs = [h.close_sync.remote() for h in self.trainers.handles]
+        try:
+            self.trainers.get(refs, range(len(refs)), "weight-sync close", 120)
+        except ActorFailure as err:
+            log.warning("closing the weight sync: %s", str(err).splitlines()[0])
 
 
 @dataclass
@@ -420,7 +458,9 @@ def start_ray_run(
         rollouts, rollout_setups = start_rollout_actors(cfg, plan, run_dir, eos_token_ids)
         run.groups.append(rollouts)
         infos = trainers.get(trainer_setups, range(len(trainers)), "start-up", deadline)
-        run.backend = RayTrainerGroup(trainers, plan, cfg.rollout.sglang.bucket_mb << 20)
+        run.backend = RayTrainerGroup(
+            trainers, plan, cfg.rollout.sglang.bucket_mb << 20, infos[0]["layout"]
+        )
         if rollouts.handles:
             from omni_grpo.ray.rollout import ActorWeightSync, RayRolloutEngine
 
@@ -454,9 +494,7 @@ def start_ray_run(
             vocab_size=vocab_size,
         )
         if run.rollout.engine not in IN_PROCESS:
-            from omni_grpo.sync import make_weight_sync
-
-            run.sync = make_weight_sync(run.rollout.sglang, run_dir=run_dir)
+            run.sync = TrainerSideSync(trainers, run.rollout.sglang, run_dir)
         return run
     except BaseException:
         run.close()

@@ -182,12 +182,18 @@ class ActorWeightSync:
 
     def close(self) -> None:
         group, self.group = self.group, None
-        if group is not None:
-            try:
-                self.actors.get(
-                    [a.leave_weight_group.remote() for a in self.actors.handles],
-                    range(len(self.actors)),
-                    "leave the weight-update group",
-                )
-            finally:
-                group.destroy()
+        if group is None:
+            return
+        from omni_grpo.ray.driver import ActorFailure
+
+        try:
+            self.actors.get(
+                [a.leave_weight_group.remote() for a in self.actors.handles],
+                range(len(self.actors)),
+                "leave the weight-update group",
+                120,
+            )
+        except ActorFailure as err:  # after a failed run: keep the first error in front
+            log.warning("closing the rollout weight sync: %s", str(err).splitlines()[0])
+        finally:
+            group.destroy()

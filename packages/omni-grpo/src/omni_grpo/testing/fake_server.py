@@ -5,6 +5,11 @@ routes, codes, weight versions, pause/continue) but lives in a test's own proces
 through ``omni_grpo.serve`` — the code path that starts real sglang-omni servers — it becomes a
 separate process the driver's Ray server actor owns, exactly like a real one.
 
+Completions: by default the k-th request for a prompt is answered with the letter ``k % len(answers)``
+of ``--answers`` (default ``ABCD``) and ``<|im_end|>``, so every group has right and wrong answers and
+no completion ever holds a media marker token (the trainer's recompute would refuse one);
+``--answers ''`` switches to the fake's hash generator (random token ids).
+
 ``--receive-dir`` also plays the thinker ranks' end of ``sync_mode: distributed``: receiver
 processes join the weight-update group when the server accepts ``init_weights_update_group`` and
 save every received bucket there (``omni_grpo.testing.sync.ServerSideReceivers``), so a test can
@@ -18,6 +23,29 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
+
+
+def letter_answers(model_path: Path, letters: str) -> Any:
+    """A generator answering the k-th request of a prompt with ``letters[k % len]`` + <|im_end|>."""
+    import json
+
+    from omni_rollout_client.testing import FakeGeneration, FakeRequest
+    from transformers import AutoTokenizer
+
+    config = json.loads((model_path / "config.json").read_text())
+    im_end = int(config["im_end_token_id"])
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    answer_ids = [tok.encode(c, add_special_tokens=False) for c in letters]
+    seen: dict[tuple[int, ...], int] = {}
+
+    def generate(req: FakeRequest) -> FakeGeneration:
+        key = tuple(req.input_ids)
+        k = seen[key] = seen.get(key, -1) + 1
+        ids = [*answer_ids[k % len(answer_ids)], im_end][: req.max_new_tokens]
+        return FakeGeneration(token_ids=ids, logprobs=[-1.0] * len(ids))
+
+    return generate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--token-delay-s", type=float, default=0.0)
     parser.add_argument("--receive-dir", type=Path, default=None)
+    parser.add_argument("--answers", default="ABCD")
     args = parser.parse_args(argv)
 
     from omni_rollout_client.testing import FakeOmniServer
@@ -39,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         tp_size=args.tp_size,
         token_delay_s=args.token_delay_s,
         log_level="info",
+        generator=letter_answers(args.model_path, args.answers) if args.answers else None,
     )
     server.start()
     receivers = None
