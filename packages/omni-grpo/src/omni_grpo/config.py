@@ -285,6 +285,12 @@ class RolloutConfig(_Strict):
     eval_sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
     sglang: SglangOmniConfig = Field(default_factory=SglangOmniConfig)
     embedded: EmbeddedRolloutConfig = Field(default_factory=EmbeddedRolloutConfig)
+    max_staleness: Literal[0, 1] = Field(
+        0,
+        description="0: on-policy (rollout, then train, then sync); 1: the next step's rollouts "
+        "are generated while this step trains, so a sample is at most one policy version old "
+        "(omni_grpo.rollout.overlap; corrected by algo.tis)",
+    )
 
     @field_validator("engine")
     @classmethod

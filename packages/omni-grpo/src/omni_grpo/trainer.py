@@ -31,6 +31,7 @@ from omni_grpo.models.sideband import media_token_ids
 from omni_grpo.ray.placement import plan_run
 from omni_grpo.rewards import score_sample
 from omni_grpo.rollout import IN_PROCESS, create_engine
+from omni_grpo.rollout.overlap import AheadEngine, PolicySnapshot, staleness_metrics
 from omni_grpo.run.checkpoint import (
     DataCursor,
     TrainState,
@@ -336,21 +337,36 @@ def train(
         backend = create_backend(
             cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
         )
-        engine = create_engine(
-            cfg.rollout,
-            policy=backend.policy,
+        context: dict[str, Any] = dict(
             eos_token_ids=eos_ids,
             banned_token_ids=media_token_ids(backend.policy),
             decode_fn=decode,
             device=str(backend.device),
             vocab_size=len(tokenizer),
         )
+        engine = create_engine(cfg.rollout, policy=backend.policy, **context)
         sync = None
         if cfg.rollout.engine not in IN_PROCESS:  # remote engines need new weights after each step
             from omni_grpo.sync import make_weight_sync
 
             sync = make_weight_sync(cfg.rollout.sglang, run_dir=run_dir)
+        elif cfg.rollout.max_staleness:
+            # Sampling one step ahead needs weights the optimizer is not changing: a snapshot of
+            # the policy, refreshed by the same push as any other engine (rollout/overlap.py).
+            engine = sync = PolicySnapshot(
+                backend.policy,
+                lambda module, version_fn: create_engine(
+                    cfg.rollout, policy=module, version_fn=version_fn, **context
+                ),
+            )
     sampling, eval_sampling = cfg.rollout.sampling, cfg.rollout.eval_sampling
+    # rollout.max_staleness 1: step k+1's rollouts are generated while step k trains.
+    ahead = AheadEngine(engine) if cfg.rollout.max_staleness else None
+    if ahead is not None and not (cfg.algo.tis.enabled or cfg.algo.use_rollout_logprobs):
+        log.warning(
+            "rollout.max_staleness 1 without algo.tis: samples one version old are trained "
+            "with no importance correction (see the README's 'Overlapped rollouts')"
+        )
 
     # --- resume
     state = TrainState()
@@ -381,7 +397,8 @@ def train(
     )
 
     def checkpoint() -> None:
-        state.cursor = sampler.cursor
+        # Not sampler.cursor: a batch drawn ahead for the next step was not trained on yet.
+        state.cursor = trained_cursor
         save_checkpoint(run_dir, state, backend.trainable_state(), backend.optimizer_state())
 
     def push_weights(version: str) -> dict[str, float]:
@@ -406,6 +423,8 @@ def train(
     if ckpt is not None:
         watch.replay(read_metrics(run_dir))  # the logger kept exactly the checkpoint's steps
     last_eval: dict[str, float] = {}
+    trained_cursor = sampler.cursor
+    ahead_batch = None  # the next step's rollouts in flight (max_staleness 1)
     try:
         if ckpt is not None:  # an engine with its own weights starts from the checkpoint's
             push_weights(f"step-{state.step}")
@@ -442,9 +461,18 @@ def train(
         with TrainProgress(cfg.run.steps, state.step, enabled=progress) as bar:
             for step in range(state.step + 1, end + 1):
                 t0 = time.perf_counter()
-                # data -> rollout
-                prompts = next_prompts(train_set, sampler, cfg.rollout.prompts_per_step)
-                groups = engine.generate(prompts, cfg.rollout.n_samples, sampling)
+                # data -> rollout (max_staleness 1: this step's batch was requested during the
+                # last one; request the next before training, so generation overlaps the update)
+                if ahead_batch is None:
+                    prompts = next_prompts(train_set, sampler, cfg.rollout.prompts_per_step)
+                    groups = engine.generate(prompts, cfg.rollout.n_samples, sampling)
+                else:
+                    groups = ahead_batch.result()
+                trained_cursor = sampler.cursor
+                ahead_batch = None
+                if ahead is not None and step < end:
+                    prompts = next_prompts(train_set, sampler, cfg.rollout.prompts_per_step)
+                    ahead_batch = ahead.submit(prompts, cfg.rollout.n_samples, sampling)
                 t_rollout = time.perf_counter() - t0
                 # rewards -> advantages
                 rewards = score_groups(groups, cfg.rewards)
@@ -477,6 +505,8 @@ def train(
                         raise
                 # metrics / eval / checkpoint
                 metrics.update(rollout_metrics(groups, rewards))
+                if sync is not None:  # engines with their own weights report their versions
+                    metrics.update(staleness_metrics(groups, step - 1, cfg.rollout.max_staleness))
                 metrics.update(watch.update(step, metrics))
                 metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train})
                 metrics.update(
@@ -497,6 +527,8 @@ def train(
                 if cfg.run.save_every and step % cfg.run.save_every == 0 or step == end:
                     checkpoint()
     finally:
+        if ahead is not None:
+            ahead.close()
         logger.close()
         if sync is not None:
             sync.close()
