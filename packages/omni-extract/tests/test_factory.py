@@ -153,3 +153,18 @@ def test_old_testing_module_is_a_deprecated_alias_of_tiny() -> None:
         old = importlib.import_module("omni_extract.testing")
     assert old.make_tiny_omni is tiny.make_tiny_omni
     assert old.TinyOmniSpec is tiny.TinyOmniSpec
+
+
+def test_same_seed_same_bytes_and_every_tensor_finite(tmp_path):
+    """Every tensor is seeded: transformers leaves the talker's fused experts as torch.empty, which
+    the factory must initialise (they used to hold whatever the allocator had, NaN included)."""
+    from safetensors.torch import load_file
+
+    dirs = [make_tiny_omni(tmp_path / n, TinyOmniSpec(seed=5)) for n in ("a", "b")]
+    files = sorted(p.name for p in dirs[0].glob("*.safetensors"))
+    for name in files:
+        ta, tb = load_file(dirs[0] / name), load_file(dirs[1] / name)
+        for key, t in ta.items():
+            assert torch.isfinite(t.float()).all(), key
+            assert torch.equal(t, tb[key]), key
+    assert any(k.startswith("talker.") and ".experts." in k for k in _all_keys(dirs[0]))

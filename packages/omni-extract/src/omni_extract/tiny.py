@@ -11,12 +11,14 @@ indexes and processor artifacts. Code and tests read ids from the config, never 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -425,7 +427,9 @@ def make_tiny_omni(dst: str | os.PathLike[str], spec: TinyOmniSpec | None = None
     config = build_config(spec, ids, vocab_size)
 
     torch.manual_seed(spec.seed)
-    model = Qwen3OmniMoeForConditionalGeneration(config)
+    with _nan_filled_empty():
+        model = Qwen3OmniMoeForConditionalGeneration(config)
+    _init_uninitialised(model, spec.seed)
     dtype = getattr(torch, spec.dtype)
     model = model.to(dtype).eval()
     _randomise_zero_inits(model, spec.seed)
@@ -465,6 +469,42 @@ def make_tiny_omni(dst: str | os.PathLike[str], spec: TinyOmniSpec | None = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+@contextlib.contextmanager
+def _nan_filled_empty() -> Iterator[None]:
+    """Make ``torch.empty`` fill floats with NaN while the model is built.
+
+    transformers leaves some parameters as ``torch.empty`` memory (in 5.x: the talker's fused
+    experts), so the factory wrote whatever bytes the allocator held: a seeded checkpoint was not
+    reproducible, and NaN bit patterns made byte-for-byte round-trip tests flaky. With NaN filling,
+    the uninitialised parameters are found exactly (``_init_uninitialised``) instead of guessed.
+    """
+    import torch
+    import torch.utils.deterministic as det
+
+    prev_det, prev_warn = torch.are_deterministic_algorithms_enabled(), (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+    prev_fill = det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = prev_fill
+        torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
+
+
+def _init_uninitialised(model: Any, seed: int) -> None:
+    """Seeded N(0, 0.02) for every parameter transformers left uninitialised (NaN-filled)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and torch.isnan(param).any():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
 
 
 def _randomise_zero_inits(model: Any, seed: int) -> None:
