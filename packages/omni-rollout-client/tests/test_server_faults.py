@@ -221,3 +221,16 @@ async def test_generate_requires_max_new_tokens(server, sampling):
             await client.generate_group(client.prepare([1, 2]), 2, sampling)
         ok = await client.generate([1, 2], {"max_tokens": 3})  # the alias counts
     assert ok.completion_tokens <= 3 and server.records[-1].sampling["max_new_tokens"] == 3
+
+
+def test_fake_runs_a_request_on_after_the_client_gave_up(make_server):
+    """0.1.9 behaviour the abort above exists for: a timed-out HTTP request keeps decoding."""
+    long = lambda req: FakeGeneration(  # noqa: E731
+        token_ids=[7] * req.max_new_tokens, logprobs=[-0.1] * req.max_new_tokens
+    )
+    server = make_server(token_delay_s=0.01, generator=long)
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 80, "temperature": 1.0}}
+    with httpx.Client(base_url=server.url, timeout=0.2) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/generate", json=body)
+    asyncio.run(_until(lambda: server.records[0].outcome != "running", "the request ended"))
+    assert server.records[0].outcome == "ok" and len(server.records[0].token_ids) == 80
