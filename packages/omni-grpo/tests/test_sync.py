@@ -293,3 +293,24 @@ def test_prefetch_keeps_order_and_reraises_source_errors() -> None:
         list(it)
     with Prefetch(iter(range(10**6))) as it:  # leaving early stops the producer
         assert next(it) == 0
+
+
+def test_close_releases_what_the_sync_owns(tmp_path: Path) -> None:
+    """Clients are always the sync's; the loop only when ``make_weight_sync`` started it."""
+    import asyncio
+
+    with FakeOmniServer() as server:
+        cfg = SglangOmniConfig(urls=[server.url], sync_mode="disk", sync_dir=tmp_path / "s")
+        own = make_weight_sync(cfg, run_dir=tmp_path)
+        own.close()
+        own.close()  # idempotent
+        assert own.loop.loop.is_closed()
+        assert all(c._http.is_closed for c in own.clients)
+        shared = BackgroundLoop()
+        try:
+            sync = make_weight_sync(cfg, run_dir=tmp_path, loop=shared)
+            sync.close()
+            assert all(c._http.is_closed for c in sync.clients)
+            assert shared.run(asyncio.sleep(0, result=1), 5) == 1  # the caller's loop lives on
+        finally:
+            shared.close()

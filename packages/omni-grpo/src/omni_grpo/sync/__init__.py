@@ -73,6 +73,7 @@ def make_weight_sync(
             loop,
             Path(cfg.sync_dir or Path(run_dir) / "weight_sync"),
             send_dtype=send_dtype,
+            owns_loop=own_loop,
             **{"timeout_s": cfg.timeout_s, **kwargs},
         )
     elif cfg.sync_mode == "distributed":
@@ -83,27 +84,11 @@ def make_weight_sync(
             router = make_clients(cfg)[0]
             clients = loop.run(router.worker_clients(), cfg.timeout_s)
         options = {"bucket_bytes": cfg.bucket_mb << 20, "timeout_s": cfg.timeout_s, **kwargs}
-        sync = DistributedWeightSync(clients, loop, send_dtype=send_dtype, **options)
+        sync = DistributedWeightSync(
+            clients, loop, send_dtype=send_dtype, owns_loop=own_loop, **options
+        )
     else:
         raise ValueError(
             f"rollout.sglang.sync_mode: expected skip|disk|distributed, got {cfg.sync_mode!r}"
         )
-    _close = sync.close
-
-    def close() -> None:
-        try:
-            _close()
-        finally:
-            try:
-                loop.run(_aclose_all(sync.clients), 30)
-            finally:
-                if own_loop:
-                    loop.close()
-
-    sync.close = close
     return sync
-
-
-async def _aclose_all(clients: Any) -> None:
-    for client in clients:
-        await client.aclose()

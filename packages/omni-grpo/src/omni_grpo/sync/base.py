@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from omni_extract import names as omni_names
@@ -30,6 +30,24 @@ from omni_extract.errors import FrozenTensorError
 from omni_grpo.types import NamedTensors, SourceLayout
 
 log = logging.getLogger(__name__)
+
+
+def close_clients(clients: Iterable[Any], loop: Any, *, owns_loop: bool) -> None:
+    """Close a sync's HTTP clients on its event loop, then the loop itself if the sync started it.
+
+    A sync built by ``make_weight_sync`` owns its clients (it made them from the config) and owns
+    the loop unless the caller passed one in; its ``close`` ends with this.
+    """
+
+    async def aclose_all() -> None:
+        for client in clients:
+            await client.aclose()
+
+    try:
+        loop.run(aclose_all(), 30)
+    finally:
+        if owns_loop:
+            loop.close()
 
 
 class WeightSyncError(RuntimeError):

@@ -36,6 +36,7 @@ from omni_grpo.sync.base import (
     SyncReport,
     WeightSyncError,
     check_names,
+    close_clients,
 )
 from omni_grpo.sync.disk_writer import DEFAULT_SHARD_BYTES, version_dirname, write_weights_dir
 
@@ -58,6 +59,7 @@ class DiskWeightSync:
         send_dtype: torch.dtype | None = None,
         keep_last: int = 1,
         verify: bool = True,
+        owns_loop: bool = False,
     ) -> None:
         if not clients:
             raise ValueError(
@@ -68,6 +70,8 @@ class DiskWeightSync:
                 f"keep_last must be >= 1 (the servers read the newest), got {keep_last}"
             )
         self.clients = list(clients)
+        self.owns_loop = owns_loop
+        self._closed = False
         self.loop = loop
         self.sync_dir = Path(sync_dir).absolute()
         self.shard_bytes = shard_bytes
@@ -149,4 +153,7 @@ class DiskWeightSync:
         return report
 
     def close(self) -> None:
-        """Nothing to release: the clients belong to the caller."""
+        """Close the clients (and the loop, if owned); idempotent."""
+        if not self._closed:
+            self._closed = True
+            close_clients(self.clients, self.loop, owns_loop=self.owns_loop)

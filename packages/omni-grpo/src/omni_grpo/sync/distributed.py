@@ -49,6 +49,7 @@ from omni_grpo.sync.base import (
     SyncReport,
     WeightSyncError,
     check_names,
+    close_clients,
 )
 from omni_grpo.sync.buckets import Bucket, buckets
 from omni_grpo.sync.group import WeightUpdateGroup, build_group, host_store, reachable_address
@@ -82,6 +83,7 @@ class DistributedWeightSync:
         send_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         verify: bool = True,
+        owns_loop: bool = False,
     ) -> None:
         if not clients:
             raise ValueError(
@@ -90,6 +92,8 @@ class DistributedWeightSync:
             )
         self.clients = list(clients)
         self.loop = loop
+        self.owns_loop = owns_loop
+        self._closed = False
         self.bucket_bytes = int(bucket_bytes)
         self.backend = backend or default_backend()
         self.master_address = master_address or reachable_address(self.clients[0].base_url)
@@ -274,16 +278,24 @@ class DistributedWeightSync:
         self._group = None
 
     def close(self) -> None:
-        group, self._group = self._group, None
-        if group is None:
+        """Drop the group on both ends, then close the clients (and the loop, if owned)."""
+        if self._closed:
             return
+        self._closed = True
+        group, self._group = self._group, None
         try:
-            self.loop.run(
-                gather(c.destroy_weights_update_group(group.group_name) for c in self.clients),
-                self.timeout_s,
-            )
+            if group is not None:
+                try:
+                    self.loop.run(
+                        gather(
+                            c.destroy_weights_update_group(group.group_name) for c in self.clients
+                        ),
+                        self.timeout_s,
+                    )
+                finally:
+                    group.destroy()
         finally:
-            group.destroy()
+            close_clients(self.clients, self.loop, owns_loop=self.owns_loop)
 
 
 def _run_beside(fn, request: Future, timeout_s: float, *, what: str):  # type: ignore[no-untyped-def]
