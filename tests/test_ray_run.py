@@ -148,7 +148,7 @@ def test_two_rank_ddp_step_equals_one_process(tmp_path: Path) -> None:
     engine = EmbeddedEngine(local.policy, [eos], banned_token_ids=media_token_ids(local.policy))
     # five prompts (an odd count: the shards differ in size) of all three modalities
     prompts = [dataset.load(i) for i in range(5)]
-    groups = engine.generate(prompts, 4, cfg.rollout.sampling.to_sampling())
+    groups = engine.generate(prompts, 4, cfg.rollout.sampling)
     # advantages of a group with signal in every row (what the loop computes from rewards)
     rewards = torch.rand(5, 4, generator=torch.Generator().manual_seed(0))
     advantages = group_advantages(rewards, 4)
