@@ -5,7 +5,9 @@
    loaded through ``OmniDataset.load`` (decode, process, placeholder expansion on a tiny Omni
    checkpoint's processor settings), in file order and in a shuffled order, the two sources
    interleaved, best of ``--repeats``. Reports rows/s of each and ``parquet / jsonl`` (target
-   >= 1), and checks that both give identical ids and tensors.
+   >= 1), checks that both give identical ids and tensors, and times alone the one step where
+   the paths differ (an item's bytes: resolve + read the file vs fetch from the row group) —
+   on a shared 2-core VM the whole-row ratio moves with the neighbours' load, this one less.
 2. Memory. A parquet of more than ``--stream-gb`` GB of embedded media (unique 1024x1024 BMP
    images + 20 s WAVs, written streaming in a temp dir and deleted after) is streamed row by row
    in a child process; the child reports its peak RSS (``ru_maxrss``) and the peaks of RssAnon /
@@ -76,18 +78,24 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
     for ds in sources.values():  # warm-up: page cache, lazily built extractors
         for i in range(n):
             ds.load(i)
-    for _ in range(repeats):
+    for rep in range(repeats):
         for order_name, order in orders.items():
-            for name, ds in sources.items():
+            # alternate which source goes first, so that a drift in the neighbours' load
+            # does not always favour the same one
+            names = list(sources) if rep % 2 == 0 else list(reversed(sources))
+            for name in names:
+                ds = sources[name]
                 t0 = time.perf_counter()
                 for i in order:
                     assert ds.load(int(i)) is not None
                 dt = time.perf_counter() - t0
                 best[order_name][name] = max(best[order_name].get(name, 0.0), n / dt)
     identical = all(_same(sources["jsonl"].load(i), sources["parquet"].load(i)) for i in range(n))
+    access = media_access(sources["jsonl"], sources["parquet"], repeats * 5)
     return {
         "rows": n,
         "identical_inputs": identical,
+        "media_access": access,
         **{
             order: {
                 "jsonl_rows_per_s": round(r["jsonl"], 2),
@@ -96,6 +104,31 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
             }
             for order, r in best.items()
         },
+    }
+
+
+def media_access(files: Any, table: Any, repeats: int) -> dict[str, float]:
+    """The one step where the two paths differ: getting an item's bytes (resolve + read the file,
+    vs fetch from the parquet row group); decoding after it is the same code. Microseconds per
+    item, best of ``repeats`` passes over every item."""
+    from omni_grpo.data.media import resolve_media
+
+    file_items = [m for s in files.samples for m in s.media]
+    table_items = [m for s in table.samples for m in s.media]
+    best = {"file": float("inf"), "parquet": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for m in file_items:
+            resolve_media(files.root, m["path"]).read_bytes()
+        best["file"] = min(best["file"], (time.perf_counter() - t0) / len(file_items))
+        t0 = time.perf_counter()
+        for m in table_items:
+            table.loaded.fetch(m)
+        best["parquet"] = min(best["parquet"], (time.perf_counter() - t0) / len(table_items))
+    return {
+        "file_resolve_read_us": round(best["file"] * 1e6, 1),
+        "parquet_fetch_us": round(best["parquet"] * 1e6, 1),
+        "ratio_speed_parquet_vs_file": round(best["file"] / best["parquet"], 3),
     }
 
 
@@ -251,7 +284,7 @@ def _child(spec: Path, model_dir: Path, limit: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows-per-task", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--stream-gb", type=float, default=2.2)
     ap.add_argument("--tmp", type=Path, default=None, help="where the temp data goes")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
