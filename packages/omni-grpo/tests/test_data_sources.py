@@ -240,5 +240,26 @@ def test_broken_save_to_disk_dir_is_one_line(tmp_path: Path) -> None:
         load_rows(tmp_path / "e")
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "data.arrow").write_bytes(b"not arrow")
-    with pytest.raises(DataError, match="not a readable Arrow stream"):
+    with pytest.raises(DataError, match="not a readable Arrow stream or file"):
         load_rows(tmp_path / "f")
+
+
+def test_single_arrow_files_stream_and_file_format(tmp_path: Path) -> None:
+    table = _table(ROWS[:2])
+    with (
+        pa.OSFile(str(tmp_path / "s.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    with (
+        pa.OSFile(str(tmp_path / "f.feather"), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    for name in ("s.arrow", "f.feather"):
+        loaded = load_rows(tmp_path / name)
+        assert [s.uid for s in loaded.samples] == [
+            f"{name.split('.')[0]}-0",
+            f"{name.split('.')[0]}-1",
+        ]
+        assert loaded.fetch(loaded.samples[0].media[2]) == b"img1"

@@ -293,14 +293,44 @@ def _item_bytes(cell: Any, item: int) -> bytes | None:
     return value.as_py()
 
 
+def _map_arrow(path: Path) -> tuple[mmap.mmap, Any]:
+    """``path`` memory-mapped and read as an Arrow IPC stream (what ``datasets`` writes) or file
+    (feather v2), zero copy: the table's buffers are slices of the mapping."""
+    import pyarrow as pa
+
+    try:
+        with path.open("rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = pa.py_buffer(mapped)
+        try:
+            table = pa.ipc.open_stream(pa.BufferReader(buf)).read_all()
+        except pa.ArrowInvalid:
+            table = pa.ipc.open_file(pa.BufferReader(buf)).read_all()
+    except Exception as err:
+        raise DataError(f"{path}: not a readable Arrow stream or file: {err}") from None
+    return mapped, table
+
+
 class ArrowDirSource(_TableSource):
     """A ``datasets.save_to_disk`` directory: its Arrow IPC stream files, memory-mapped (Python's
     ``mmap``, so the pages a fetch touched can be released with ``madvise``)."""
 
     def __init__(self, path: Path) -> None:
-        import pyarrow as pa
+        self.path, self.name = path, path.stem if path.is_file() else path.name
+        files = [path] if path.is_file() else self._dir_files(path)
+        self.tables = []
+        self.maps: list[mmap.mmap] = []
+        for f in files:
+            mapped, table = _map_arrow(f)
+            self.tables.append(table)
+            self.maps.append(mapped)
+        self.schema = self.tables[0].schema
+        self.starts = [0]
+        for t in self.tables:
+            self.starts.append(self.starts[-1] + t.num_rows)
 
-        self.path, self.name = path, path.name
+    @staticmethod
+    def _dir_files(path: Path) -> list[Path]:
         if (path / "dataset_dict.json").is_file():
             splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
             raise DataError(
@@ -316,21 +346,7 @@ class ArrowDirSource(_TableSource):
                 raise DataError(f"{state}: not a datasets state.json ({err!r})") from None
         if not files:
             raise DataError(f"{path}: a directory without state.json or *.arrow files")
-        self.tables = []
-        self.maps: list[mmap.mmap] = []
-        for f in files:
-            try:
-                with f.open("rb") as fh:
-                    mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-                reader = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
-                self.tables.append(reader.read_all())  # zero copy: slices of the mapping
-            except Exception as err:
-                raise DataError(f"{f}: not a readable Arrow stream: {err}") from None
-            self.maps.append(mapped)
-        self.schema = self.tables[0].schema
-        self.starts = [0]
-        for t in self.tables:
-            self.starts.append(self.starts[-1] + t.num_rows)
+        return files
 
     def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
         plain, embedded = self._plan(columns)
@@ -375,13 +391,16 @@ def expand_spec(spec: Spec) -> list[Path]:
 
 def open_source(path: Path) -> JsonlSource | ParquetSource | ArrowDirSource:
     """The reader for one path: a directory is a ``save_to_disk`` dataset, ``.parquet`` (or a file
-    starting with parquet's magic) is parquet, anything else is read as jsonl."""
+    starting with parquet's magic) is parquet, ``.arrow`` / ``.feather`` one Arrow file (e.g. a
+    ``datasets`` cache file), anything else is read as jsonl."""
     if path.is_dir():
         return ArrowDirSource(path)
     if not path.is_file():
         raise DataError(f"dataset file not found: {path}")
     if path.suffix.lower() in (".parquet", ".pq"):
         return ParquetSource(path)
+    if path.suffix.lower() in (".arrow", ".feather"):
+        return ArrowDirSource(path)
     with path.open("rb") as f:
         if f.read(4) == PARQUET_MAGIC:
             return ParquetSource(path)
