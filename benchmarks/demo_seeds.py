@@ -6,8 +6,8 @@ a time, and prints one JSON object: per run the final held-out accuracy per moda
 held-out accuracy a modality had after it first reached 0.9 (a collapse after learning shows
 here even when the run ends well), the wall time and the CPU time of the run's process.
 
-The baseline is today's demo before issue 16 (``BASELINE_OVERRIDES`` on the same config: the old
-learning rate, Adam betas, advantage normalisation and seeds pinned to 0), run in the same
+The baseline is today's demo before issue 16 (``BASELINE_OVERRIDES`` on the same config: no KL
+anchor, 200 steps, evaluation every 25, model and data seeds pinned to 0), run in the same
 invocation with the same thread counts, interleaved with the recipe runs so both see the same
 machine load. Wall time on a shared 2-core box moves with other people's load, so the CPU time
 of the child (user + sys, from ``wait4``) is reported next to it; the ratios are recipe / baseline.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,11 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 MODALITIES = ("image", "audio", "video")
 TARGET = 0.9
 
-# Today's demo (main at 46b1011, before issue 16) as overrides of the current examples/tiny.yaml.
+# Today's demo (main at 46b1011, before issue 16) as overrides of the current examples/tiny.yaml:
+# no KL anchor, 200 steps, evaluation every 25, the tiny model and data pinned to seed 0.
 BASELINE_OVERRIDES: tuple[str, ...] = (
-    "trainer.lr=2.0e-3",
-    "trainer.betas=[0.9, 0.999]",
-    "algo.advantage.std_normalize=true",
+    "algo.kl_coef=0.0",
+    "algo.kl_type=k1",
+    "run.steps=200",
+    "eval.every=25",
     "model.make_tiny.seed=0",
     "data.synthetic.seed=0",
 )
@@ -99,7 +102,12 @@ def run_one(
     t0 = time.perf_counter()
     with open(work / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except KeyboardInterrupt:  # stopped from outside: end the child, report what finished
+            proc.terminate()
+            proc.wait()
+            raise
     wall = time.perf_counter() - t0
     code = os.waitstatus_to_exitcode(status)
     out: dict[str, Any] = {
@@ -133,55 +141,70 @@ def main() -> None:
     ap.add_argument("--seeds", default="0-4")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--baseline-seeds", default="0", help="'' skips the baseline runs")
+    ap.add_argument("--baseline-threads", default="1,2")
     ap.add_argument("--work", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
 
     seeds, threads = parse_ints(args.seeds), parse_ints(args.threads)
     base_seeds = parse_ints(args.baseline_seeds) if args.baseline_seeds else []
+    base_threads = parse_ints(args.baseline_threads)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="demo-seeds-")
     work = args.work or Path(tmp.name)  # type: ignore[union-attr]
     work.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {
-        "benchmark": "demo_seeds",
-        "config": str(args.config),
-        "cpus": os.cpu_count(),
-        "target": TARGET,
-        "baseline_overrides": list(BASELINE_OVERRIDES),
-        "by_threads": {},
-    }
+    # threads-major (the fast thread count first, so a stopped sweep still covers every seed),
+    # each baseline run right after the recipe run of its seed and thread count so load drifts
+    # hit both the same way
+    order = []
+    for t in threads:
+        for s in seeds:
+            order.append(("recipe", s, t))
+            if s in base_seeds and t in base_threads:
+                order.append(("baseline", s, t))
+    runs: dict[str, list[dict[str, Any]]] = {"recipe": [], "baseline": []}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    interrupted = False
     try:
-        for t in threads:
-            recipe: list[dict[str, Any]] = []
-            baseline: list[dict[str, Any]] = []
-            # interleave: each baseline run next to a recipe run, so load drifts hit both
-            order = [("recipe", s) for s in seeds]
-            for i, s in enumerate(base_seeds):
-                order.insert(min(2 * i, len(order)), ("baseline", s))
-            for kind, s in order:
-                extra = BASELINE_OVERRIDES if kind == "baseline" else ()
-                r = run_one(args.config, work, f"{kind}_s{s}_t{t}", s, t, extra)
-                (baseline if kind == "baseline" else recipe).append(r)
-                print(json.dumps({kind: r}), file=sys.stderr, flush=True)
-            entry: dict[str, Any] = {
-                "recipe": recipe,
-                "baseline": baseline,
-                "recipe_pass": f"{sum(bool(r.get('pass')) for r in recipe)}/{len(recipe)}",
-                "recipe_wall_s_mean": summarise(recipe, "wall_s"),
-                "recipe_cpu_s_mean": summarise(recipe, "cpu_s"),
-                "baseline_wall_s_mean": summarise(baseline, "wall_s"),
-                "baseline_cpu_s_mean": summarise(baseline, "cpu_s"),
-            }
-            for key in ("wall_s", "cpu_s"):
-                a, b = entry[f"recipe_{key}_mean"], entry[f"baseline_{key}_mean"]
-                entry[f"{key}_ratio"] = round(a / b, 3) if a and b else None
-            result["by_threads"][str(t)] = entry
-        result["all_pass"] = all(
-            r.get("pass") for e in result["by_threads"].values() for r in e["recipe"]
-        )
+        for kind, s, t in order:
+            extra = BASELINE_OVERRIDES if kind == "baseline" else ()
+            r = run_one(args.config, work, f"{kind}_s{s}_t{t}", s, t, extra)
+            runs[kind].append(r)
+            print(json.dumps({kind: r}), file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         if tmp is not None:
             tmp.cleanup()
-    print(json.dumps(result))
+    by_threads: dict[str, Any] = {}
+    for t in threads:
+        recipe = [r for r in runs["recipe"] if r["threads"] == t]
+        baseline = [r for r in runs["baseline"] if r["threads"] == t]
+        entry: dict[str, Any] = {
+            "recipe_pass": f"{sum(bool(r.get('pass')) for r in recipe)}/{len(recipe)}",
+            "recipe_wall_s_mean": summarise(recipe, "wall_s"),
+            "recipe_cpu_s_mean": summarise(recipe, "cpu_s"),
+            "baseline_wall_s_mean": summarise(baseline, "wall_s"),
+            "baseline_cpu_s_mean": summarise(baseline, "cpu_s"),
+        }
+        for key in ("wall_s", "cpu_s"):
+            a, b = entry[f"recipe_{key}_mean"], entry[f"baseline_{key}_mean"]
+            entry[f"{key}_ratio"] = round(a / b, 3) if a and b else None
+        by_threads[str(t)] = entry
+    print(
+        json.dumps(
+            {
+                "benchmark": "demo_seeds",
+                "config": str(args.config),
+                "cpus": os.cpu_count(),
+                "target": TARGET,
+                "baseline_overrides": list(BASELINE_OVERRIDES),
+                "interrupted": interrupted,
+                "planned_runs": len(order),
+                "all_pass": all(r.get("pass") for r in runs["recipe"]),
+                "by_threads": by_threads,
+                "runs": runs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -177,3 +177,27 @@ def test_no_signal_batch_does_not_replay_momentum(world: dict) -> None:
     assert metrics["no_signal_step"] == 1 and metrics["grad_norm"] == 0
     for n, p in backend.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_kl_reference_is_anchored_after_the_warmup_and_survives_resume(
+    world: dict, tmp_path
+) -> None:
+    """With kl_coef > 0 the reference becomes the warmed-up policy (saved in the run dir) and a
+    resumed backend reloads the same one; without a KL term nothing is stored."""
+    from omni_grpo.trainer import REFERENCE_FILE, anchor_reference
+
+    algo = AlgoConfig(kl_coef=0.05, kl_type="k3")
+    backend = _backend(world, algo=algo.model_dump())
+    prompts = world["prompts"]
+    backend.supervised_step(prompts, [[world["eos"]]] * len(prompts), 1e-2)  # "warm-up"
+    trained = backend.trainable_state()
+    ref = dict(backend.reference.named_parameters())
+    assert any(not torch.equal(ref[n], v) for n, v in trained.items())  # still the untrained copy
+    anchor_reference(backend, tmp_path, algo, save=True)
+    assert all(torch.equal(ref[n], v) for n, v in trained.items())
+    fresh = _backend(world, algo=algo.model_dump())  # a resumed run: reference from the file
+    anchor_reference(fresh, tmp_path, algo, save=False)
+    fresh_ref = dict(fresh.reference.named_parameters())
+    assert all(torch.equal(fresh_ref[n], v) for n, v in trained.items())
+    anchor_reference(_backend(world), tmp_path / "nokl", AlgoConfig(), save=True)
+    assert not (tmp_path / "nokl" / REFERENCE_FILE).exists()

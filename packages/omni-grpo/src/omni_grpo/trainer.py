@@ -260,6 +260,33 @@ def format_warmup(
     return losses
 
 
+REFERENCE_FILE = Path("reference") / "trainable.pt"
+
+
+def anchor_reference(backend: Any, run_dir: Path, algo: Any, *, save: bool) -> None:
+    """With a KL term, the reference is the policy right after the format warm-up (the SFT
+    stage, as in RLHF), not the untrained model: KL to it keeps the answer format and, being a
+    forward KL to a near-uniform choice of letters, pulls a policy that turns deterministic
+    without signal back towards exploring (k3's gradient is that of KL(ref || policy)).
+
+    ``save=True`` (just after the warm-up) stores its trainable weights in the run directory;
+    a resumed run (``save=False``) reloads them, so it continues against the same reference.
+    """
+    set_reference = getattr(backend, "set_reference", None)
+    if algo.kl_coef == 0 or set_reference is None:
+        return
+    path = run_dir / REFERENCE_FILE
+    if save:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(backend.trainable_state(), tmp)
+        os.replace(tmp, path)
+    elif not path.is_file():
+        log.warning("%s is missing: the KL reference stays the untrained model", path)
+        return
+    set_reference(torch.load(path, weights_only=True))
+
+
 # ---------------------------------------------------------------------------------------- train
 @dataclass
 class TrainResult:
@@ -428,6 +455,8 @@ def train(
     try:
         if ckpt is not None:  # an engine with its own weights starts from the checkpoint's
             push_weights(f"step-{state.step}")
+            if state.warmup_done:
+                anchor_reference(backend, run_dir, cfg.algo, save=False)
         # --- optional format warm-up (once per run, before step 1)
         warm = cfg.trainer.warmup
         if warm is not None and warm.steps > 0 and not state.warmup_done:
@@ -443,6 +472,7 @@ def train(
                 cfg.rollout.prompts_per_step,
             )
             state.warmup_done = True
+            anchor_reference(backend, run_dir, cfg.algo, save=True)
             push_weights("warmup")  # the engine must sample (and evaluate) the warmed-up policy
             logger.log(
                 0,

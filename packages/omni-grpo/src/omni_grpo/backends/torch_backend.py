@@ -373,6 +373,17 @@ class TorchBackend:
         keep = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return {k: v for k, v in self.model.state_dict().items() if k in keep}, "hf_memory"
 
+    def set_reference(self, state: dict[str, torch.Tensor]) -> None:
+        """Make the KL reference the policy with these trainable weights (the frozen rest is the
+        same module state by construction). The trainer anchors it to the policy after the format
+        warm-up — the SFT stage — instead of the untrained model it was copied from."""
+        if self.reference is None:
+            return
+        params = dict(self.reference.named_parameters())
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(value.to(params[name].device, params[name].dtype))
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Trainable weights for a checkpoint (frozen parts are reloaded from the model directory)."""
         return {
