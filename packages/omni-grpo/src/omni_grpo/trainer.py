@@ -277,11 +277,15 @@ def anchor_reference(backend: Any, run_dir: Path, algo: Any, *, save: bool) -> N
         return
     path = run_dir / REFERENCE_FILE
     if save:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(backend.trainable_state(), tmp)
-        os.replace(tmp, path)
-    elif not path.is_file():
+        weights = backend.trainable_state()
+        if getattr(backend, "is_driver", True):  # one writer; every rank holds the same weights
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save(weights, tmp)
+            os.replace(tmp, path)
+        set_reference(weights)
+        return
+    if not path.is_file():
         log.warning("%s is missing: the KL reference stays the untrained model", path)
         return
     set_reference(torch.load(path, weights_only=True))
