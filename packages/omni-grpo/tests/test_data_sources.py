@@ -263,3 +263,19 @@ def test_single_arrow_files_stream_and_file_format(tmp_path: Path) -> None:
             f"{name.split('.')[0]}-1",
         ]
         assert loaded.fetch(loaded.samples[0].media[2]) == b"img1"
+
+
+def test_json_list_file(tmp_path: Path) -> None:
+    rows = [
+        {"id": "a", "prompt": "2+2", "label": 4, "reward": "math"},
+        7,
+        {"prompt": "x", "label": "y"},
+    ]
+    p = tmp_path / "rows.json"
+    p.write_text(json.dumps(rows, indent=2))
+    loaded = load_rows(p)
+    assert [s.uid for s in loaded.samples] == ["a", "rows-2"]
+    assert loaded.counters() == {"skipped_rows": 1, "skipped_rows_not_object": 1}
+    p.write_text("[{broken")
+    with pytest.raises(DataError, match="rows.json: not valid JSON"):
+        load_rows(p)

@@ -133,6 +133,30 @@ class JsonlSource:
         raise DataError(f"{self.path}: jsonl rows have no embedded media")
 
 
+class JsonListSource(JsonlSource):
+    """A ``.json`` file holding one JSON list of row objects (how Video-R1 and many others ship);
+    read whole, which is fine for rows whose media are files."""
+
+    def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
+        try:
+            data = json.loads(self.path.read_bytes().removeprefix(BOM).decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DataError(f"{self.path}: not UTF-8 (byte {err.start})") from None
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{self.path}: not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})"
+            ) from None
+        if not isinstance(data, list):
+            raise DataError(f"{self.path}: expected a JSON list of rows, got {type(data).__name__}")
+        for i, obj in enumerate(data):
+            where = f"{self.path} item {i}"
+            if isinstance(obj, dict):
+                yield RawRecord(where, i, obj=obj)
+            else:
+                msg = f"{where}: expected a JSON object, got {type(obj).__name__}"
+                yield RawRecord(where, i, problem=("not_object", msg))
+
+
 # ------------------------------------------------------------------------------------------ tables
 def _media_kind(arrow_type: Any) -> tuple[str, bool] | None:
     """(``list``|``single``, whether its structs carry a ``path`` field) for a column of
@@ -392,7 +416,8 @@ def expand_spec(spec: Spec) -> list[Path]:
 def open_source(path: Path) -> JsonlSource | ParquetSource | ArrowDirSource:
     """The reader for one path: a directory is a ``save_to_disk`` dataset, ``.parquet`` (or a file
     starting with parquet's magic) is parquet, ``.arrow`` / ``.feather`` one Arrow file (e.g. a
-    ``datasets`` cache file), anything else is read as jsonl."""
+    ``datasets`` cache file), a ``.json`` file starting with ``[`` a JSON list of rows, anything
+    else is read as jsonl."""
     if path.is_dir():
         return ArrowDirSource(path)
     if not path.is_file():
@@ -402,8 +427,11 @@ def open_source(path: Path) -> JsonlSource | ParquetSource | ArrowDirSource:
     if path.suffix.lower() in (".arrow", ".feather"):
         return ArrowDirSource(path)
     with path.open("rb") as f:
-        if f.read(4) == PARQUET_MAGIC:
-            return ParquetSource(path)
+        head = f.read(4)
+    if head == PARQUET_MAGIC:
+        return ParquetSource(path)
+    if path.suffix.lower() == ".json" and head.removeprefix(BOM[:3]).lstrip()[:1] == b"[":
+        return JsonListSource(path)
     return JsonlSource(path)
 
 
