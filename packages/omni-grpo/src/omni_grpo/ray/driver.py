@@ -396,7 +396,10 @@ def start_trainers(
     try:
         master, port = trainers.get([trainers.handles[0].address.remote()], [0], "start-up")[0]
     except BaseException:
+        from ray.util.placement_group import remove_placement_group
+
         trainers.kill()
+        remove_placement_group(pg)  # the caller never got it: release it here
         raise
     setups = [
         h.setup.remote(rank_env(plan, r, master, port), pad_token_id)
