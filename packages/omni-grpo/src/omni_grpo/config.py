@@ -386,6 +386,30 @@ class MegatronConfig(_Strict):
         return self
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters (peft) instead of full fine-tuning, for the torch backend.
+
+    ``targets`` are groups of ``omni_grpo.models.lora.LORA_TARGETS``: ``attention`` (the text
+    layers' q/k/v/o projections), ``experts`` (the fused MoE experts, through peft's
+    ``target_parameters``), ``visual`` (the vision tower's linear layers), ``lm_head``. Everything
+    else (embeddings, norms, router) stays frozen; the audio tower is never a parameter at all.
+    """
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0, description="scale = alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[Literal["attention", "experts", "visual", "lm_head"]] = Field(
+        default_factory=lambda: ["attention", "experts"], min_length=1
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _no_repeats(cls, targets: list[str]) -> list[str]:
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"trainer.lora.targets repeats a group: {targets}")
+        return targets
+
+
 class TrainerConfig(_Strict):
     backend: str = Field(
         "torch",
@@ -412,6 +436,17 @@ class TrainerConfig(_Strict):
         description="trainer ranks; > 1 makes `omni-grpo train` the driver of one Ray actor per "
         "rank (megatron: tp x ep x dp, a multiple of lcm(tp, ep))",
     )
+    lora: LoraConfig | None = Field(
+        None, description="LoRA adapters (torch backend); None = full fine-tuning"
+    )
+
+    @model_validator(mode="after")
+    def _lora_backend(self) -> TrainerConfig:
+        if self.lora is not None and self.backend == "megatron":
+            raise ValueError(
+                "trainer.lora needs trainer.backend: torch (the megatron backend trains all weights)"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------------------------- ray

@@ -170,6 +170,13 @@ class TorchBackend:
         self.pad_token_id = int(pad_token_id)
         self.device = device or resolve_device(trainer.device)
         self.model.to(self.device)
+        # trainer.lora: peft adapters injected here, before the broadcast (A is random per rank)
+        # and before the optimizer and reference copy are built over the trainable set.
+        self.lora = trainer.lora is not None
+        if trainer.lora is not None:
+            from omni_grpo.models.lora import apply_lora
+
+            apply_lora(self.model, trainer.lora)
         # Data parallel over ``dp_group`` (None: the default world) when torch.distributed is up.
         self.dp_group = dp_group
         self.dp_size = dp_world_size(dp_group)
@@ -366,7 +373,13 @@ class TorchBackend:
     # ------------------------------------------------------------------ sync, checkpoint
     def weights_for_sync(self) -> tuple[NamedTensors, SourceLayout]:
         """Trainable weights under the VL names, as transformers holds them (``hf_memory``): a
-        state dict of the live parameters (no copy), so the sync checks every name up front."""
+        state dict of the live parameters (no copy), so the sync checks every name up front.
+        With LoRA: the merged ``W + scale * B A`` of the adapted tensors only, under their base
+        names (the server holds plain weights; what LoRA does not touch it already has)."""
+        if self.lora:
+            from omni_grpo.models.lora import merged_weights
+
+            return merged_weights(self.model), "hf_memory"
         sync = getattr(self.model, "sync_state_dict", None)  # OmniThinker; plain modules below
         if sync is not None:
             return sync(), "hf_memory"
@@ -385,7 +398,8 @@ class TorchBackend:
                 params[name].copy_(value.to(params[name].device, params[name].dtype))
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Trainable weights for a checkpoint (frozen parts are reloaded from the model directory)."""
+        """Trainable weights for a checkpoint (frozen parts are reloaded from the model directory);
+        with LoRA, the adapters alone (``...lora_A.default.weight``, ``...lora_B...``)."""
         return {
             n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad
         }

@@ -1,0 +1,109 @@
+"""LoRA on the torch backend (issue 21): exact base at init, only adapters train, merged weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omni_grpo.backends.torch_backend import TorchBackend
+from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+from omni_grpo.models.lora import is_adapter_name, lora_layers
+from omni_grpo.types import GRPOBatch
+
+ALL_TARGETS = ["attention", "experts", "visual", "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    from omni_grpo.testing.rollouts import rollout_world
+
+    return rollout_world(tmp_path_factory.mktemp("lora"), max_new_tokens=3)
+
+
+def _backend(world: dict, targets: list[str] = ALL_TARGETS, **kw: object) -> TorchBackend:
+    torch.manual_seed(0)
+    cfg = TrainerConfig(
+        device="cpu", lr=1e-2, lora=LoraConfig(rank=4, alpha=8, targets=targets), **kw
+    )
+    return TorchBackend(copy.deepcopy(world["base"]), cfg, AlgoConfig(), pad_token_id=world["eos"])
+
+
+def _row_logits(model: torch.nn.Module, world: dict) -> torch.Tensor:
+    """Logits of one prompt + completion row, through the thinker's forward (media included)."""
+    c = world["groups"][0][0]
+    ids = torch.tensor([c.prompt.input_ids + c.token_ids])
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), **c.prompt.mm).logits
+
+
+def _trained(world: dict, targets: list[str] = ALL_TARGETS) -> TorchBackend:
+    backend = _backend(world, targets)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(world["groups"]))
+    metrics = backend.step(GRPOBatch(world["groups"], adv))
+    assert metrics["skipped_step"] == 0 and metrics["grad_norm"] > 0
+    return backend
+
+
+def test_zero_b_reproduces_the_base_logits_exactly(world: dict) -> None:
+    backend = _backend(world)
+    assert {n for n, _ in lora_layers(backend.model)}  # something was adapted
+    for group in ("self_attn.q_proj", "mlp.experts", "visual.blocks.0.attn.qkv", "lm_head"):
+        assert any(group in n for n, _ in lora_layers(backend.model)), group
+    assert torch.equal(_row_logits(backend.model, world), _row_logits(world["base"], world))
+
+
+def test_only_adapters_train_and_checkpoint(world: dict) -> None:
+    backend = _trained(world)
+    trainable = {n for n, p in backend.model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_name(n) for n in trainable)
+    assert set(backend.trainable_state()) == trainable
+    params = {id(p) for g in backend.optimizer.param_groups for p in g["params"]}
+    assert params == {id(p) for p in backend.params} and len(params) == len(trainable)
+    base = world["base"].state_dict()
+    changed = 0
+    for name, value in backend.model.state_dict().items():
+        plain = name.replace(".base_layer", "").replace(".parametrizations.", ".")
+        if is_adapter_name(name):
+            changed += int("lora_B" in name and bool(value.abs().sum() > 0))
+            continue
+        assert torch.equal(value, base[plain]), name
+    assert changed > 0
+    # the embedded engine samples the adapted module itself: it moved
+    assert not torch.equal(_row_logits(backend.policy, world), _row_logits(world["base"], world))
+
+
+def test_merged_weights_are_w_plus_scale_ba_and_compute_the_adapted_model(world: dict) -> None:
+    backend = _trained(world)
+    merged, layout = backend.weights_for_sync()
+    assert layout == "hf_memory"
+    base = world["base"].state_dict()
+    assert set(merged) <= set(base)
+    assert any("experts.gate_up_proj" in n for n in merged) and "lm_head.weight" in merged
+    scale = 8 / 4
+    state = backend.model.state_dict()
+    for name in merged:
+        if name.endswith(".weight") and "experts" not in name:  # linear layers: independent formula
+            stem = name.removesuffix(".weight")
+            a = state[f"{stem}.lora_A.default.weight"]
+            b = state[f"{stem}.lora_B.default.weight"]
+            assert torch.equal(merged[name], base[name] + (b @ a) * scale), name
+    # all tensors (the experts' per-expert factors included): the base model carrying the merged
+    # weights computes what the adapted model computes
+    plain = copy.deepcopy(world["base"])
+    plain.load_state_dict(merged, strict=False)
+    torch.testing.assert_close(
+        _row_logits(plain, world), _row_logits(backend.model, world), rtol=0, atol=1e-5
+    )
+    # sync bytes scale with what LoRA touches: attention only -> the q/k/v/o weights alone
+    attn, _ = _trained(world, ["attention"]).weights_for_sync()
+    assert attn and all(".self_attn." in n for n in attn)
+    assert sum(t.numel() for t in attn.values()) < sum(t.numel() for t in merged.values())
+
+
+def test_lora_with_megatron_is_refused_at_config_time() -> None:
+    with pytest.raises(ValueError, match="trainer.lora needs trainer.backend: torch"):
+        TrainerConfig(backend="megatron", lora=LoraConfig())
+    with pytest.raises(ValueError, match="extra"):
+        LoraConfig(rnk=4)
