@@ -18,6 +18,8 @@ instead of starting its own); each run starts and ends its own actors.
   ``omni-grpo serve`` code path). Weight sync runs both ways: ``disk``, and ``distributed`` over
   a real gloo group into receiver processes in each server. The distributed run checks that the
   last push carried exactly the final checkpoint's weights under server names.
+* ``test_an_exception_in_an_actor_is_one_line_with_its_log``: an actor that raises (rather than
+  dies) gives the same one-line error, with the exception and the actor's last log lines.
 """
 
 from __future__ import annotations
@@ -244,3 +246,35 @@ def test_sglang_engine_against_launched_fake_servers(tmp_path: Path, sync_mode: 
     for rank, got in received.items():
         assert set(got) == set(want), rank
         assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want), rank
+
+
+class _Raises:
+    """An actor whose method raises, logging first (as the real actors do, into its file)."""
+
+    def __init__(self, log_path: str) -> None:
+        from omni_grpo.ray.actors import log_to_file
+
+        log_to_file(log_path, "test actor")
+
+    def step(self) -> None:
+        import logging
+
+        logging.getLogger("test").error("about to fail: the last line before the error")
+        raise ValueError("boom in the step")
+
+
+def test_an_exception_in_an_actor_is_one_line_with_its_log(tmp_path: Path) -> None:
+    from omni_grpo.ray.driver import ActorFailure, ActorSet
+
+    log = tmp_path / "logs" / "trainer-0.log"
+    actors = ActorSet(
+        "trainer rank", [ray.remote(_Raises).options(num_cpus=0.1).remote(str(log))], [log]
+    )
+    try:
+        with pytest.raises(ActorFailure) as err:
+            actors.get([actors.handles[0].step.remote()], [0], "step")
+    finally:
+        actors.kill()
+    head, *rest = str(err.value).splitlines()
+    assert head.startswith("trainer rank 0 raised during step: ValueError: boom in the step")
+    assert str(log) in head and any("about to fail" in line for line in rest)
