@@ -198,3 +198,47 @@ def test_policy_snapshot_is_a_copy_updated_only_between_batches() -> None:
     with pytest.raises(WeightSyncError, match="shape"):
         snap.push({"bias": torch.zeros(5)}, "step-2")
     assert snap.version == "step-1"
+
+
+def test_single_process_run_one_step_ahead_records_staleness_and_resumes(tmp_path: Path) -> None:
+    from omni_grpo.config import load_config
+    from omni_grpo.run.checkpoint import latest_checkpoint, load_checkpoint
+    from omni_grpo.run.metrics import read_metrics
+    from omni_grpo.trainer import train
+
+    model = tmp_path / "model"
+    cfg = load_config(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.steps=3",
+            "run.save_every=0",
+            "run.tensorboard=false",
+            "run.plots=false",
+            "model.make_tiny={vocab: small, seed: 0}",
+            f"model.omni_checkpoint={model / 'omni'}",
+            f"model.extracted_dir={model / 'vl'}",
+            f"model.audio_dir={model / 'audio'}",
+            "data.synthetic={tasks: [image, audio], n_train: 4, n_eval: 1, seed: 0}",
+            "rollout.n_samples=3",
+            "rollout.prompts_per_step=2",
+            "rollout.sampling.max_new_tokens=3",
+            "rollout.max_staleness=1",
+            "algo.tis={enabled: true, mode: icepop}",
+            "trainer.device=cpu",
+            "trainer.lr=1e-3",
+            "eval.every=0",
+        ],
+    )
+    train(cfg, progress=False, stop_after=2)
+    state, *_ = load_checkpoint(latest_checkpoint(tmp_path / "run"))
+    # the batch drawn ahead for step 3 is not in the checkpoint: resume draws it again
+    assert state.step == 2 and state.cursor.position == 2 * cfg.rollout.prompts_per_step
+    train(cfg, progress=False, resume=True)
+    steps = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[0]["staleness/frac_0"] == 1.0  # the first batch cannot be generated ahead
+    assert steps[1]["staleness/frac_1"] == 1.0  # sampled by the snapshot of step 0's weights
+    # after a resume the first batch is again generated on-policy
+    assert steps[2]["staleness/frac_0"] == 1.0
+    assert all(r["staleness/frac_over_bound"] == 0.0 for r in steps)
