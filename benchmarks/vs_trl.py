@@ -28,6 +28,12 @@ memory of both, ours' rollout<->trainer mean |logp difference| (bf16), prompt le
         --prompts 2 --steps 2 --warmup 1 --layers 2                      # CPU smoke run
 ``--skeleton DIR`` takes an omni-extract ``vl`` + ``audio`` pair (any widths, real vocabulary) whose
 config, tokenizer and processor files are reused; without it one is made with the tiny factory.
+
+TRL is no project dependency. On the GPU box (no network) it travels as wheels next to the
+project's own (``uv build --all-packages --wheel``), installed ``--no-deps`` into one target:
+trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19, pydantic 2.14 + pydantic-core,
+annotated-types, typing-inspection, typing-extensions (accelerate, pyarrow, torchvision are on the
+image). Measured results: ``benchmarks/results/vs_trl_h200.json``.
 """
 
 from __future__ import annotations
