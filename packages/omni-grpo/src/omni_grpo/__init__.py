@@ -12,7 +12,7 @@ The public face, for scripts and for authors of third-party backends, engines an
 * the protocol types every component speaks (``omni_grpo.types``): :class:`Sample`,
   :class:`PromptInputs`, :class:`Completion`, :class:`GRPOBatch`, and the seams a plugin
   implements, :class:`TrainerBackend`, :class:`RolloutEngine`, :class:`Reward`, plus
-  :class:`WeightSync` (``omni_grpo.sync``).
+  :class:`WeightSync`.
 
 Names are imported on first use, so ``import omni_grpo`` (and ``omni-grpo --help``) loads neither
 torch nor transformers. Everything else is reached through its own module; modules and names with
@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "RolloutEngine": "omni_grpo.types",
     "Sample": "omni_grpo.types",
     "TrainerBackend": "omni_grpo.types",
-    "WeightSync": "omni_grpo.sync.base",
+    "WeightSync": "omni_grpo.types",
 }
 __all__ = sorted(_EXPORTS)
 

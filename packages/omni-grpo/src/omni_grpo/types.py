@@ -198,6 +198,50 @@ class TrainerBackend(Protocol):
         ...
 
 
+class WeightSyncError(RuntimeError):
+    """A weight sync failed. The server's generation has been resumed; its weights may be stale."""
+
+
+@dataclass
+class SyncReport:
+    """What one ``push`` did, for metrics.jsonl (``weight_sync/*``)."""
+
+    version: str
+    mode: str
+    tensors: int = 0
+    bytes: int = 0
+    skipped_tower_tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    servers: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "weight_sync/tensors": float(self.tensors),
+            "weight_sync/bytes": float(self.bytes),
+            "weight_sync/buckets": float(self.buckets),
+            "weight_sync/seconds": self.seconds,
+            "weight_sync/gbps": (self.bytes / 1e9 / self.seconds) if self.seconds > 0 else 0.0,
+        }
+
+
+@runtime_checkable
+class WeightSync(Protocol):
+    """Pushes the trainer's thinker weights to the rollout servers after an optimizer step."""
+
+    mode: str
+
+    def push(
+        self, named_tensors: NamedTensors, version: str, *, layout: SourceLayout = "hf_memory"
+    ) -> SyncReport:
+        """Send every text/lm_head tensor under ``version``; return only once servers serve it."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and process groups (idempotent)."""
+        ...
+
+
 def __getattr__(name: str) -> Any:
     # ``MM_TENSOR_KEYS``: the processed multimodal tensor names, exactly as transformers' Omni
     # thinker forward and sglang-omni's ``multimodal_train_inputs`` spell them. One list, owned by

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_grpo.ray.errors import ActorFailure
 from omni_grpo.ray.placement import (
     PlacementPlan,
     actor_options,
@@ -59,10 +60,6 @@ PROPAGATED_ENV: tuple[str, ...] = (
     "TRANSFORMERS_OFFLINE",
 )
 POLL_S = 0.5
-
-
-class ActorFailure(RuntimeError):
-    """An actor of the run died or raised; the message names it and quotes its log."""
 
 
 def connect(ray_cfg: Any) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from omni_grpo.config import SamplingParams
+from omni_grpo.ray.errors import ActorFailure
 from omni_grpo.sync.base import NamedTensors, SourceLayout, SyncReport, WeightSyncError
 from omni_grpo.sync.buckets import buckets
 from omni_grpo.sync.group import build_group, host_store
@@ -184,8 +185,6 @@ class ActorWeightSync:
         group, self.group = self.group, None
         if group is None:
             return
-        from omni_grpo.ray.driver import ActorFailure
-
         try:
             self.actors.get(
                 [a.leave_weight_group.remote() for a in self.actors.handles],

@@ -48,8 +48,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from omni_grpo.config import SamplingParams
-from omni_grpo.sync.base import NamedTensors, SourceLayout, SyncReport, WeightSyncError
-from omni_grpo.types import Completion, PromptInputs, RolloutEngine
+from omni_grpo.types import (
+    Completion,
+    NamedTensors,
+    PromptInputs,
+    RolloutEngine,
+    SourceLayout,
+    SyncReport,
+    WeightSyncError,
+)
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from omni_extract import names as omni_names
 from omni_extract.errors import FrozenTensorError
 
-# declared with the trainer seam: a backend's ``weights_for_sync`` returns them
-from omni_grpo.types import NamedTensors, SourceLayout
+# declared with the seams in omni_grpo.types (a backend's ``weights_for_sync`` returns the weights;
+# an in-process engine can be its own WeightSync): re-exported here, the sync package's face
+from omni_grpo.types import NamedTensors, SourceLayout, WeightSyncError
+from omni_grpo.types import SyncReport as SyncReport
+from omni_grpo.types import WeightSync as WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -48,50 +51,6 @@ def close_clients(clients: Iterable[Any], loop: Any, *, owns_loop: bool) -> None
     finally:
         if owns_loop:
             loop.close()
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync failed. The server's generation has been resumed; its weights may be stale."""
-
-
-@dataclass
-class SyncReport:
-    """What one ``push`` did, for metrics.jsonl (``weight_sync/*``)."""
-
-    version: str
-    mode: str
-    tensors: int = 0
-    bytes: int = 0
-    skipped_tower_tensors: int = 0
-    buckets: int = 0
-    seconds: float = 0.0
-    servers: list[str] = field(default_factory=list)
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "weight_sync/tensors": float(self.tensors),
-            "weight_sync/bytes": float(self.bytes),
-            "weight_sync/buckets": float(self.buckets),
-            "weight_sync/seconds": self.seconds,
-            "weight_sync/gbps": (self.bytes / 1e9 / self.seconds) if self.seconds > 0 else 0.0,
-        }
-
-
-@runtime_checkable
-class WeightSync(Protocol):
-    """Pushes the trainer's thinker weights to the rollout servers after an optimizer step."""
-
-    mode: str
-
-    def push(
-        self, named_tensors: NamedTensors, version: str, *, layout: SourceLayout = "hf_memory"
-    ) -> SyncReport:
-        """Send every text/lm_head tensor under ``version``; return only once servers serve it."""
-        ...
-
-    def close(self) -> None:
-        """Release connections and process groups (idempotent)."""
-        ...
 
 
 def _pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
