@@ -138,6 +138,11 @@ class TrainerActor:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.backend.load_optimizer_state(state)
 
+    def set_reference(self, state: dict[str, Any]) -> None:
+        set_reference = getattr(self.backend, "set_reference", None)  # torch backend, KL on
+        if set_reference is not None:
+            set_reference(state)
+
     def weights_for_sync(self, bucket_bytes: int) -> Iterator[Any]:
         """A streaming generator of lists of ``(name, tensor)``, at most ``bucket_bytes`` each
         (the layout is known from ``setup``). Only rank 0 yields: the data-parallel ranks hold

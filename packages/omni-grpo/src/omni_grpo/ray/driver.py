@@ -272,6 +272,12 @@ class RayTrainerGroup:
         ref = ray.put(state)
         self._all("resume", "load_optimizer_state", shared=(ref,))
 
+    def set_reference(self, state: dict[str, Any]) -> None:
+        """The KL reference on every rank (``trainer.anchor_reference``, after the warm-up)."""
+        import ray
+
+        self._all("set_reference", "set_reference", shared=(ray.put(state),))
+
     def close(self) -> None:
         """The actors end with the run (:meth:`RayRun.close`)."""
 
