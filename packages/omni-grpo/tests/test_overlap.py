@@ -242,3 +242,11 @@ def test_single_process_run_one_step_ahead_records_staleness_and_resumes(tmp_pat
     # after a resume the first batch is again generated on-policy
     assert steps[2]["staleness/frac_0"] == 1.0
     assert all(r["staleness/frac_over_bound"] == 0.0 for r in steps)
+
+
+def test_policy_snapshot_refuses_a_lora_policy() -> None:
+    policy = torch.nn.Module()
+    policy.q = torch.nn.Module()
+    policy.q.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(2, 1)})
+    with pytest.raises(ValueError, match="trainer.lora"):
+        PolicySnapshot(policy, _Recording)

@@ -158,6 +158,12 @@ class PolicySnapshot:
     ) -> None:
         """``make_engine(module, version_fn)`` builds the embedded engine over the copy (the
         trainer passes ``omni_grpo.rollout.create_engine`` with its own context)."""
+        if any(".lora_A." in name for name, _ in policy.named_parameters()):
+            # A LoRA trainer syncs merged base weights, which a copy holding adapters cannot take.
+            raise ValueError(
+                "rollout.max_staleness 1 with the single-process embedded engine does not support "
+                "trainer.lora; use max_staleness 0, or the sglang-omni engine"
+            )
         self.module = copy.deepcopy(policy).requires_grad_(False)
         self.version = "default"
         self._lock = threading.Lock()
