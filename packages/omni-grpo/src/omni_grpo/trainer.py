@@ -57,6 +57,8 @@ from omni_grpo.run.stored_config import store_run_config
 from omni_grpo.types import Completion, GRPOBatch, PromptInputs, TrainerBackend
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from omni_grpo.config import DataConfig, ModelConfig, OmniGRPOConfig
     from omni_grpo.data.dataset import OmniDataset
 
@@ -431,7 +433,20 @@ def train(
     def checkpoint() -> None:
         # Not sampler.cursor: a batch drawn ahead for the next step was not trained on yet.
         state.cursor = trained_cursor
-        save_checkpoint(run_dir, state, backend.trainable_state(), backend.optimizer_state())
+        weights = backend.trainable_state()
+        save_checkpoint(
+            run_dir, state, weights, backend.optimizer_state(), extra=peft_files(weights)
+        )
+
+    def peft_files(weights: dict[str, torch.Tensor]) -> Callable[[Path], None] | None:
+        """trainer.lora: the adapter also in peft's own format, inside the same checkpoint."""
+        lora = cfg.trainer.lora
+        if lora is None:
+            return None
+        from omni_grpo.models.lora import save_peft_adapter
+
+        base = str(cfg.model.extracted_dir)
+        return lambda d: save_peft_adapter(d, weights, lora, base)
 
     def push_weights(version: str) -> dict[str, float]:
         """New weights to an engine that holds its own copy (servers, rollout actors); the

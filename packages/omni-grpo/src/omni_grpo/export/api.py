@@ -16,6 +16,8 @@ from omni_grpo.export.run import (
     check_complete,
     default_base,
     find_checkpoint,
+    holds_lora,
+    lora_trained,
     open_trained,
 )
 from omni_grpo.run.stored_config import CONFIG_FILE
@@ -50,6 +52,8 @@ def export_run(
     trained: TrainedWeights
     if ckpt.path is None:
         trained = NoTrained()
+    elif holds_lora(ckpt.files):  # adapters only: merged into the run's base, the rest is base
+        trained = lora_trained(run, ckpt.files)
     else:
         trained = open_trained(ckpt.files, source)
         check_complete(trained, source, ckpt.path)

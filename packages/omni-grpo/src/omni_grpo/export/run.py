@@ -15,11 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from omni_extract.names import match
 from omni_extract.plan import FUSED_OF, FUSED_ROWS
 from omni_extract.source import OmniSource
-from omni_extract.trained import SafetensorsFiles, SafetensorsTrained, TrainedWeights
+from omni_extract.trained import (
+    SafetensorsFiles,
+    SafetensorsTrained,
+    TrainedWeights,
+    is_fused,
+)
 
 from omni_grpo.export.megatron import MegatronTrained, is_megatron_name
 from omni_grpo.run.checkpoint import STATE_FILE, checkpoint_dir
@@ -203,3 +209,80 @@ def check_complete(trained: TrainedWeights, base: OmniSource, where: Path) -> No
             f"checkpoint {where} is incomplete: it lacks {need[0]!r}"
             + (f" and {len(need) - 1} more language-model tensor(s)" if len(need) > 1 else "")
         )
+
+
+def holds_lora(files: tuple[Path, ...]) -> bool:
+    """A LoRA run's checkpoint: its trained weights are adapters (``trainer.lora``)."""
+    from omni_grpo.models.lora import is_adapter_name
+
+    return any(is_adapter_name(n) for n in SafetensorsFiles(files).tensors)
+
+
+class MergedTrained:
+    """:class:`TrainedWeights` over in-memory tensors in transformers' layout (``hf_memory``).
+
+    What a LoRA checkpoint exports as: the merged ``W + scale * B A`` of the adapted tensors; the
+    tensors LoRA did not touch are the base's, which the export copies as for a frozen part.
+    """
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def dtype(self, name: str) -> Any:
+        return self.tensors[name].dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape = tuple(self.tensors[name].shape)
+        return (shape[0], shape[2], shape[1]) if is_fused(name) else shape
+
+    def tensor(self, name: str) -> Any:
+        return self.tensors[name]
+
+    def hub_expert(self, name: str, expert: int, part: str) -> Any:
+        block = self.tensors[name][expert]  # gate_up [2I, H] (gate rows, then up rows); down [H, I]
+        if part == "down":
+            return block.contiguous()
+        half = block.shape[0] // 2
+        return (block[:half] if part == "gate" else block[half:]).contiguous()
+
+    def vl_block(self, name: str, expert: int) -> Any:
+        return self.tensors[name][expert].T.contiguous()
+
+
+def lora_trained(run_dir: Path, files: tuple[Path, ...]) -> MergedTrained:
+    """Merge a LoRA checkpoint's adapters into the run's base: the run's own model (its stored
+    ``model.extracted_dir``, dtype and ``trainer.lora``) with the adapters loaded, merged by peft's
+    ``get_delta_weight`` exactly as the weight sync merges them."""
+    from safetensors.torch import load_file
+
+    from omni_grpo.config import LoraConfig
+    from omni_grpo.models import load_thinker
+    from omni_grpo.models.lora import apply_lora, merged_weights
+
+    cfg = stored_config(run_dir) or {}
+    lora = (cfg.get("trainer") or {}).get("lora")
+    model_cfg = cfg.get("model") or {}
+    vl = model_cfg.get("extracted_dir")
+    if lora is None or vl is None:
+        raise ExportError(
+            f"{files[0].parent} holds LoRA adapters but {run_dir / CONFIG_FILE} has no "
+            "trainer.lora / model.extracted_dir to merge them with"
+        )
+    vl_dir = Path(vl) if Path(vl).is_absolute() else run_dir / vl
+    model = load_thinker(vl_dir, dtype=model_cfg.get("dtype", "auto"))
+    apply_lora(model, LoraConfig(**lora))
+    adapters: dict[str, Any] = {}
+    for f in files:
+        adapters.update(load_file(str(f)))
+    params = dict(model.named_parameters())
+    expected = {n for n, p in params.items() if p.requires_grad}
+    if set(adapters) != expected:
+        odd = sorted(set(adapters) ^ expected)[:3]
+        raise ExportError(f"{files[0].parent}: adapters do not match trainer.lora ({odd})")
+    with torch.no_grad():
+        for name, value in adapters.items():
+            params[name].copy_(value)
+    return MergedTrained(merged_weights(model))

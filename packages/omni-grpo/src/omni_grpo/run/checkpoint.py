@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,8 +127,12 @@ def save_checkpoint(
     optimizer: dict[str, Any],
     rng: dict[str, Any] | None = None,
     keep_last: int = 2,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the checkpoint for ``state.step`` atomically and point ``latest`` at it.
+
+    ``extra`` writes more files into the staged directory before it is published (e.g. a LoRA
+    run's adapter in peft's format), so they are part of the same atomic checkpoint.
 
     Older checkpoints beyond ``keep_last`` are removed only after the new one is in place.
     """
@@ -145,6 +150,8 @@ def save_checkpoint(
             )
             torch.save(optimizer, tmp / "optimizer.pt")
             torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
+            if extra is not None:
+                extra(tmp)
             payload = {"format": FORMAT_VERSION, **asdict(state)}
             (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2))
             _fsync_tree(tmp)
