@@ -42,6 +42,8 @@ LORA_TARGETS: dict[str, dict[str, Any]] = {
     # Qwen3-Omni's text layers are all MoE (no dense MLP, no shared expert): the experts are the
     # FFN weights; the router (``mlp.gate``) stays frozen, as in the LoRA-for-RL literature.
     "experts": {"parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
+    # the vision blocks' and mergers' linear layers; the patch embedding (Conv3d) and the learned
+    # position table stay frozen
     "visual": {
         "modules": r"model\.visual\.(?:blocks\.\d+\.(?:attn\.(?:qkv|proj)|mlp\.linear_fc[12])"
         r"|(?:merger|deepstack_merger_list\.\d+)\.linear_fc[12])"
@@ -88,10 +90,6 @@ def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     from peft.tuners.lora.layer import LoraLayer
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
-
-
-def has_lora(model: nn.Module) -> bool:
-    return bool(lora_layers(model))
 
 
 def _base_name(module_name: str, layer: nn.Module) -> str:
