@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from omni_grpo.types import SamplingParams
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and the dotted field path."""
@@ -207,24 +209,6 @@ class DataConfig(_Strict):
 
 
 # ----------------------------------------------------------------------------------------- rollout
-class SamplingParams(_Strict):
-    """How completions are sampled: the one sampling type, from the YAML to the engines.
-
-    Validated once here and handed to the rollout engines as it is (the embedded sampler, the
-    sglang-omni request body, the Ray rollout actors); frozen, so no engine can change the run's
-    sampling for the next call.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(64, ge=1)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
-
-
 class SglangLaunchConfig(_Strict):
     """Servers the driver starts itself, each as a Ray actor running ``omni-grpo serve``.
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-
-if TYPE_CHECKING:
-    from omni_grpo.config import SamplingParams
 
 
 @dataclass
@@ -56,6 +54,26 @@ class Completion:
     weight_version: str = "default"
     text: str = ""
     reward: float = 0.0
+
+
+class SamplingParams(BaseModel):
+    """How completions are sampled: the one sampling type, from the YAML to the engines.
+
+    Lives with the seam types because every engine takes it (``RolloutEngine.generate``); the
+    config tree holds it as ``rollout.sampling`` / ``rollout.eval_sampling``. Validated once and
+    handed to the rollout engines as it is (the embedded sampler, the
+    sglang-omni request body, the Ray rollout actors); frozen, so no engine can change the run's
+    sampling for the next call.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(64, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
 
 
 @runtime_checkable

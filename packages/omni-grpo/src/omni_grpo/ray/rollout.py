@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 
-from omni_grpo.config import SamplingParams
 from omni_grpo.ray.errors import ActorFailure
 from omni_grpo.sync.base import NamedTensors, SourceLayout, SyncReport, WeightSyncError
 from omni_grpo.sync.buckets import buckets
 from omni_grpo.sync.group import build_group, host_store
-from omni_grpo.types import Completion, PromptInputs
+from omni_grpo.types import Completion, PromptInputs, SamplingParams
 
 log = logging.getLogger(__name__)
 

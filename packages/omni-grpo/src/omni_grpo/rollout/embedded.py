@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from omni_grpo.config import SamplingParams
 from omni_grpo.data.collate import collate_mm, repeat_mm
 from omni_grpo.models.generation import generate
-from omni_grpo.types import Completion, PromptInputs
+from omni_grpo.types import Completion, PromptInputs, SamplingParams
 
 
 class EmbeddedEngine:

@@ -47,12 +47,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from omni_grpo.config import SamplingParams
 from omni_grpo.types import (
     Completion,
     NamedTensors,
     PromptInputs,
     RolloutEngine,
+    SamplingParams,
     SourceLayout,
     SyncReport,
     WeightSyncError,

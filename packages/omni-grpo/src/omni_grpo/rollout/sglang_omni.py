@@ -39,9 +39,8 @@ from omni_rollout_client.result import GenerateResult, concat_results
 from omni_rollout_client.sampling import filter_sampling_params
 
 from omni_grpo.aio import BackgroundLoop, gather
-from omni_grpo.config import SamplingParams
 from omni_grpo.sglang import make_clients
-from omni_grpo.types import Completion, PromptInputs
+from omni_grpo.types import Completion, PromptInputs, SamplingParams
 
 log = logging.getLogger(__name__)
 
