@@ -91,11 +91,11 @@ def test_tiny_ray_survives_a_killed_rank_and_learns(tmp_path: Path) -> None:
         {
             "run": {
                 "dir": str(run),
-                "steps": 40,
+                "steps": 80,
                 "save_every": 10,
                 "plots": False,
             },
-            "eval": {"every": 20},
+            "eval": {"every": 40},
             "data": {"synthetic": {"n_eval": 16}},
         },
     )
@@ -118,7 +118,7 @@ def test_tiny_ray_survives_a_killed_rank_and_learns(tmp_path: Path) -> None:
     assert second.exit_code == 0, second.output
     records = metrics(run)
     steps = [r["step"] for r in records if r["step"] > 0]
-    assert steps == list(range(1, 41)), steps
+    assert steps == list(range(1, 81)), steps
     final = records[-1]
     for modality in ("image", "audio", "video"):
         assert final[f"eval/accuracy/{modality}"] >= 0.9, final
