@@ -27,20 +27,6 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Private names imported across modules on main when this check landed, in code another change
-# is still rewriting (the trained-checkpoint export). Listed so that the check holds for
-# everything else now; each entry goes when its import does, and a new one fails.
-KNOWN_PRIVATE_IMPORTS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("omni_extract.export", "_assign_shards"),
-        ("omni_extract.export", "_check_destination"),
-        ("omni_extract.export", "_emit"),
-        ("omni_extract.export", "_Inputs"),
-        ("omni_extract.export", "_install"),
-        ("omni_extract.export", "_shard_names"),
-        ("omni_grpo.export.megatron", "_row_half"),
-    }
-)
 LEAVES = ("omni_extract", "omni_rope", "omni_audio_inject", "omni_rollout_client")
 APART = ("omni_grpo.rollout", "omni_grpo.sync", "omni_grpo.backends")
 
@@ -260,16 +246,10 @@ def test_no_private_name_is_imported_across_modules() -> None:
         if not _first_party(target):
             continue
         private = name and name.startswith("_") and not name.startswith("__")
-        if private and target != importer and (importer, name) not in KNOWN_PRIVATE_IMPORTS:
+        if private and target != importer:
             bad.append(f"{where}: imports private name {name} from {target}")
         owner = _private_module_owner(target)
         if owner is not None and not (importer and _within(importer, owner)):
             bad.append(f"{where}: imports {target}, private to {owner}")
     assert not bad, "\n".join(bad)
 
-
-def test_known_private_imports_are_still_there() -> None:
-    """The allowance above only shrinks: an entry whose import is gone must be struck."""
-    seen = {(m, name) for m in MODULES for _, name, _ in imports_of(m) if name}
-    stale = sorted(KNOWN_PRIVATE_IMPORTS - seen)
-    assert not stale, f"no longer imported, strike from KNOWN_PRIVATE_IMPORTS: {stale}"

@@ -40,13 +40,13 @@ def test_mapped_paths_write_the_same_bytes_as_buffered_reads(
 def test_expert_matrices_are_mapped_not_read(tiny_omni_dir, tmp_path, monkeypatch):
     """With no dtype change, no expert matrix goes through ``pread`` (the copy we removed)."""
     reads: list[str] = []
-    real_read = convert._Inputs.read
+    real_read = convert.SourceInputs.read
 
     def spy(self, src, into=None):
         reads.append(src.name)
         return real_read(self, src, into)
 
-    monkeypatch.setattr(convert._Inputs, "read", spy)
+    monkeypatch.setattr(convert.SourceInputs, "read", spy)
     extract(tiny_omni_dir, tmp_path / "vl", variant="vl")
     assert not [n for n in reads if ".experts." in n]
 
@@ -59,7 +59,7 @@ def test_shard_truncated_after_validation_names_the_file(tiny_omni_dir, tmp_path
     fused = next(o for o in plan.outputs if o.source is None)
     part = fused.parts[-1][0]
     os.truncate(src / part.file, part.offset + 1)
-    inputs = convert._Inputs(source.root, source.files)
+    inputs = convert.SourceInputs(source.root, source.files)
     try:
         pattern = rf"{re.escape(part.file)}: tensor '{re.escape(part.name)}'.*truncated"
         with pytest.raises(CorruptShardError, match=pattern):

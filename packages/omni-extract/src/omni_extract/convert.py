@@ -107,7 +107,7 @@ def parse_size(size: int | str) -> int:
 # ----------------------------------------------------------------------------- tensor production
 
 
-class _Inputs:
+class SourceInputs:
     """Raw read-only descriptors and read-only maps of all input shards (opened up front: worker
     threads share them, and positional reads need no locking).
 
@@ -167,7 +167,7 @@ class _Inputs:
 
 
 def _fused_block(
-    out: OutputTensor, by_part: dict, expert: int, inputs: _Inputs, region: MappedRegion
+    out: OutputTensor, by_part: dict, expert: int, inputs: SourceInputs, region: MappedRegion
 ) -> None:
     """Build one expert's contiguous block of a fused tensor in place, in the mapped output.
 
@@ -189,7 +189,7 @@ def _fused_block(
 
 
 def _transpose_part(
-    dst: np.ndarray, inputs: _Inputs, src: SourceTensor, dtype: torch.dtype
+    dst: np.ndarray, inputs: SourceInputs, src: SourceTensor, dtype: torch.dtype
 ) -> None:
     """``dst[:] = src.T`` as ``dtype`` bits: from the mapped shard when no conversion is needed."""
     if src.dtype != dtype:
@@ -200,10 +200,10 @@ def _transpose_part(
     inputs.release(src)
 
 
-def _emit(
+def emit_output_tensor(
     out: OutputTensor,
     writer: ShardWriter,
-    inputs: _Inputs,
+    inputs: SourceInputs,
     pool: ThreadPoolExecutor,
     progress: ProgressFn,
 ) -> None:
@@ -247,13 +247,13 @@ def _emit(
     progress(0, 1)
 
 
-def _shard_names(n: int) -> list[str]:
+def output_shard_names(n: int) -> list[str]:
     if n == 1:
         return [SINGLE_FILE]
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-EmitFn = Callable[[object, ShardWriter, "_Inputs", ThreadPoolExecutor, ProgressFn], None]
+EmitFn = Callable[[object, ShardWriter, "SourceInputs", ThreadPoolExecutor, ProgressFn], None]
 
 
 def write_shards(
@@ -266,7 +266,7 @@ def write_shards(
 ) -> dict[str, str]:
     """Write each shard with a streaming writer, ``emit`` producing each planned tensor's bytes;
     return the weight map. Shared by extraction and export (``omni_extract.export``)."""
-    inputs = _Inputs(source.root, source.files)
+    inputs = SourceInputs(source.root, source.files)
     pool = ThreadPoolExecutor(max_workers=FUSE_THREADS, thread_name_prefix="omni-extract")
     weight_map: dict[str, str] = {}
     try:
@@ -290,9 +290,9 @@ def stream_weights(
     source: OmniSource, plan: ExtractionPlan, out_dir: Path, progress: ProgressFn | None = None
 ) -> tuple[str, ...]:
     """Write the planned tensors into ``out_dir`` as sharded safetensors (+ index if >1 shard)."""
-    names = _shard_names(len(plan.shards))
+    names = output_shard_names(len(plan.shards))
     report: ProgressFn = progress or (lambda nbytes, ntensors: None)
-    weight_map = write_shards(source, plan.shards, names, out_dir, _emit, report)
+    weight_map = write_shards(source, plan.shards, names, out_dir, emit_output_tensor, report)
     if len(names) > 1:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
@@ -327,7 +327,7 @@ MARKER_FILE = "omni_extract.json"
 OWN_MARKERS: tuple[str, ...] = (MARKER_FILE, "omni_export.json")
 
 
-def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     s, d = src.resolve(), dst.resolve()
     if d == s or s.is_relative_to(d):
         raise ExtractError(f"destination {dst} is (or contains) the source {src}; refusing")
@@ -455,7 +455,7 @@ def resolve_dtype(plan: ExtractionPlan, source: OmniSource, dtype: DtypeChoice) 
     return choice  # type: ignore[return-value]
 
 
-def _install(tmp: Path, dst: Path) -> None:
+def install_dir(tmp: Path, dst: Path) -> None:
     """Rename the finished temp dir onto ``dst``; an old ``dst`` is moved aside, then deleted."""
     old: Path | None = None
     if dst.exists():
@@ -489,7 +489,7 @@ def extract(
     nothing is left at ``dst`` (or the previous ``dst`` is kept).
     """
     src_path, dst_path = Path(src), Path(dst)
-    _check_destination(src_path, dst_path, overwrite)
+    check_destination(src_path, dst_path, overwrite)
     _check_replaceable(dst_path, overwrite)
     size = parse_size(shard_size)
     source = open_source(src_path)
@@ -523,7 +523,7 @@ def extract(
         copy_processor_artifacts(src_path, tmp)
         marker = {"tool": "omni-extract", "variant": variant, "source": str(src_path.absolute())}
         (tmp / MARKER_FILE).write_text(json.dumps({**marker, "dtype": dtype}, indent=2))
-        _install(tmp, dst_path)
+        install_dir(tmp, dst_path)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError | RuntimeError) and not isinstance(exc, ExtractError):

@@ -40,11 +40,11 @@ import torch
 from omni_extract import configs
 from omni_extract.artifacts import copy_processor_artifacts
 from omni_extract.convert import (
-    _check_destination,
-    _emit,
-    _Inputs,
-    _install,
-    _shard_names,
+    SourceInputs,
+    check_destination,
+    emit_output_tensor,
+    install_dir,
+    output_shard_names,
     write_shards,
 )
 from omni_extract.errors import (
@@ -58,7 +58,7 @@ from omni_extract.plan import (
     DTYPE_CHOICES,
     DtypeChoice,
     OutputTensor,
-    _assign_shards,
+    assign_shards,
     build_plan,
     validate_thinker,
 )
@@ -262,8 +262,8 @@ def _plan_omni(
         shards = [groups[f] for f in files if groups[f]]
         names = [f for f in files if groups[f]]
     else:
-        shards = _assign_shards(tensors, shard_size)  # type: ignore[arg-type]
-        names = _shard_names(len(shards))
+        shards = assign_shards(tensors, shard_size)  # type: ignore[arg-type]
+        names = output_shard_names(len(shards))
     replaced = sum(1 for t in tensors if t.trained is not None)
     return ExportPlan("omni", tensors, shards, names, replaced, {t.vl_name for t in targets})
 
@@ -293,7 +293,7 @@ def _plan_vl(
     if missing:  # cannot happen for names the table maps to the VL layout; never drop silently
         raise TensorMismatchError(f"trained tensor {missing[0]!r} has no place in the VL layout")
     replaced = sum(1 for t in tensors if t.trained is not None)
-    return ExportPlan("vl", tensors, shards, _shard_names(len(shards)), replaced, set(by_name))
+    return ExportPlan("vl", tensors, shards, output_shard_names(len(shards)), replaced, set(by_name))
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -349,10 +349,10 @@ def stream_export(
     report: ProgressFn = progress or (lambda nbytes, ntensors: None)
 
     def emit(
-        t: ExportTensor, writer: ShardWriter, inputs: _Inputs, pool: Any, rep: ProgressFn
+        t: ExportTensor, writer: ShardWriter, inputs: SourceInputs, pool: Any, rep: ProgressFn
     ) -> None:
         if t.base is not None:
-            _emit(t.base, writer, inputs, pool, rep)
+            emit_output_tensor(t.base, writer, inputs, pool, rep)
         else:
             _emit_trained(t, writer, trained, rep)
 
@@ -412,7 +412,7 @@ def _write_side_files(
 
 def check_export_destination(base: Path, dst: Path, overwrite: bool) -> None:
     """``dst`` must be new, empty, or (with ``overwrite``) a directory an export wrote."""
-    _check_destination(base, dst, overwrite=True)  # refuses dst == base / dst containing base
+    check_destination(base, dst, overwrite=True)  # refuses dst == base / dst containing base
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -475,7 +475,7 @@ def export_trained(
             **(provenance or {}),
         }
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, default=str))
-        _install(tmp, dst_path)
+        install_dir(tmp, dst_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

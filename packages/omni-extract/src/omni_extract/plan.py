@@ -165,10 +165,10 @@ def build_plan(
         )
     validate_thinker(source)  # after the selection, so "nothing selected" is reported as such
     ordered = sorted(outputs.values(), key=lambda o: (o.last_file, o.order))
-    return ExtractionPlan(variant, ordered, _assign_shards(ordered, shard_size))
+    return ExtractionPlan(variant, ordered, assign_shards(ordered, shard_size))
 
 
-def _assign_shards(outputs: list[OutputTensor], shard_size: int) -> list[list[OutputTensor]]:
+def assign_shards(outputs: list[OutputTensor], shard_size: int) -> list[list[OutputTensor]]:
     """Greedy packing in production order; a tensor larger than ``shard_size`` gets its own shard."""
     shards: list[list[OutputTensor]] = [[]]
     size = 0

@@ -219,7 +219,7 @@ class SafetensorsTrained:
         block = self.store[name].range(expert)
         if self.layout == "hf_memory":
             # gate_up [2I, H]: gate rows, then up rows; down [H, I] is already the hub matrix
-            return _row_half(block, part)
+            return expert_row_half(block, part)
         return hub_from_vl_block(self._read_block(name, expert, block), part)
 
     def _read_block(self, name: str, expert: int, block: FileRange) -> torch.Tensor:
@@ -236,7 +236,7 @@ class SafetensorsTrained:
         return block.read().T.contiguous()
 
 
-def _row_half(block: FileRange, part: ExpertPart) -> FileRange:
+def expert_row_half(block: FileRange, part: ExpertPart) -> FileRange:
     """gate/up: the first/second half of the rows of a ``[2I, H]`` block; down: the block."""
     if part == "down":
         return block

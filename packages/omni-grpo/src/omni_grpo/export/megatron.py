@@ -23,7 +23,7 @@ from omni_extract.trained import (
     FileRange,
     Piece,
     SafetensorsFiles,
-    _row_half,
+    expert_row_half,
     hub_from_vl_block,
 )
 
@@ -136,7 +136,7 @@ class MegatronTrained:
     def hub_expert(self, name: str, expert: int, part: ExpertPart) -> Piece:
         vl = self._vl[name]
         if vl.kind == "expert":  # fc1 [2I, H] = gate rows then up rows; fc2 [H, I] = hub down
-            return _row_half(self.store[vl.experts[expert]].range(), part)
+            return expert_row_half(self.store[vl.experts[expert]].range(), part)
         assert vl.source is not None
         key = (vl.source, expert)
         if self._block_cache is None or self._block_cache[0] != key:
