@@ -374,7 +374,7 @@ def _clean_stale_temps(dst: Path) -> None:
             continue
         pid = found.group("pid")
         if pid is not None:
-            stale = not _alive(int(pid))
+            stale = not process_alive(int(pid))
         else:
             newest = max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.iterdir())])
             stale = time.time() - newest >= 15 * 60
@@ -401,7 +401,9 @@ def glob_escape(name: str) -> str:
     return glob.escape(name)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether the writer ``pid`` of a temp dir still runs (this process counts as gone: its temps
+    live inside one call, none spans a new run). Shared with omni_grpo's run-dir cleanup."""
     if pid == os.getpid():
         return False
     try:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from omni_extract.convert import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -205,17 +206,6 @@ OWNER_PID = re.compile(r"-p(\d+)-")
 UNOWNED_STALE_S = 15 * 60.0
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # this process writes its temps inside one call; none spans a new run
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _newest_mtime(path: Path) -> float:
     try:
@@ -240,7 +230,7 @@ def is_stale_temp(path: Path, now: float | None = None) -> bool:
         return False
     owner = OWNER_PID.search(path.name)
     if owner is not None:
-        return not _alive(int(owner.group(1)))
+        return not process_alive(int(owner.group(1)))
     return (now or time.time()) - _newest_mtime(path) >= UNOWNED_STALE_S
 
 
