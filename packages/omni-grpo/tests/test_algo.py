@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from omni_grpo.algo import (
     aggregate,
     entropy_from_logits,
+    forward_kl_from_logits,
     group_advantages,
     grpo_loss,
     kl_estimate,
@@ -128,6 +129,39 @@ def test_chunked_matches_full_with_grad(n: int, v: int, chunk: int, temp: float)
     torch.testing.assert_close(gl, gr.to(gl.dtype), atol=1e-5, rtol=1e-4)
 
 
+def test_forward_kl_hand_values() -> None:
+    # ref = (1/2, 1/2), pi = (3/4, 1/4): KL(ref || pi) = 1/2 ln(2/3) + 1/2 ln 2 = 1/2 ln(4/3)
+    logits = torch.tensor([[LN(3.0), 0.0]], requires_grad=True)
+    kl = forward_kl_from_logits(logits, torch.zeros(1, 2))
+    assert kl.item() == pytest.approx(0.5 * LN(4 / 3), abs=1e-7)
+    # d/dz = softmax(z) - softmax(z_ref) = (1/4, -1/4): bounded, unlike k3's 1 - ref/pi
+    kl.sum().backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[0.25, -0.25]]))
+    # a deterministic policy keeps the full pull towards the reference (k3's sampled gradient
+    # on the argmax token fades with 1 - pi)
+    sure = torch.tensor([[30.0, 0.0]], requires_grad=True)
+    forward_kl_from_logits(sure, torch.zeros(1, 2)).sum().backward()
+    torch.testing.assert_close(sure.grad, torch.tensor([[0.5, -0.5]]))
+    with pytest.raises(ValueError, match="reference logits"):
+        forward_kl_from_logits(torch.zeros(1, 3), torch.zeros(1, 2))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 9), st.integers(2, 40), st.integers(1, 5), st.floats(0.3, 2.0))
+def test_forward_kl_chunked_matches_autograd(n: int, v: int, chunk: int, temp: float) -> None:
+    g = torch.Generator().manual_seed(n * 100 + v)
+    logits = (torch.randn(n, v, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    ref_logits = torch.randn(n, v, generator=g, dtype=torch.float64) * 3
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+    got = forward_kl_from_logits(logits, ref_logits, temp, chunk_rows=chunk)
+    ref_lsm = torch.log_softmax(ref_logits / temp, -1)
+    want = (ref_lsm.exp() * (ref_lsm - torch.log_softmax(logits / temp, -1))).sum(-1)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    (gg,) = torch.autograd.grad((got * upstream).sum(), logits)
+    (gw,) = torch.autograd.grad((want * upstream).sum(), logits)
+    torch.testing.assert_close(gg, gw, atol=1e-5, rtol=1e-4)
+
+
 def test_logprob_gradient_for_any_upstream_grad() -> None:
     """The fused backward against autograd through float64 log_softmax, bf16 logits, chunked."""
     g = torch.Generator().manual_seed(3)
@@ -232,6 +266,22 @@ def test_kl_and_entropy_terms() -> None:
     assert met["kl_loss"] == pytest.approx(0.0131200881, abs=1e-7)
     assert met["entropy_loss"] == pytest.approx(1.0)
     assert loss.item() == pytest.approx(-2.0 + 0.1 * 0.0131200881 - 0.01 * 1.0, abs=1e-6)
+
+
+def test_full_kl_term_is_the_given_per_token_kl() -> None:
+    logp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
+    kl = torch.tensor([[0.2, 0.4, float("nan")]], requires_grad=True)  # masked NaN is harmless
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    cfg = AlgoConfig(kl_coef=0.5, kl_type="full", loss_agg="token")
+    loss, met = grpo_loss(logp, logp.detach(), torch.tensor([0.0]), mask, cfg, kl=kl)
+    assert met["kl_loss"] == pytest.approx(0.3)
+    assert loss.item() == pytest.approx(0.15)
+    loss.backward()
+    torch.testing.assert_close(kl.grad, torch.tensor([[0.25, 0.25, 0.0]]))
+    with pytest.raises(ValueError, match="kl_type full needs the per-token kl"):
+        grpo_loss(logp, logp.detach(), torch.tensor([0.0]), mask, cfg, ref_logp=logp.detach())
+    with pytest.raises(ValueError, match="kl_unbiased does not apply"):
+        AlgoConfig(kl_type="full", kl_unbiased=True)
 
 
 def test_unbiased_kl_multiplies_ratio() -> None:

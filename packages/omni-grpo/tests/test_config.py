@@ -258,6 +258,7 @@ def test_removed_fields_are_refused_with_a_pointer(
         ),
         (["trainer.micro_batch_size=4"], "trainer.micro_batch_size 4 is not used by the megatron"),
         (["trainer.warmup={steps: 2}"], "trainer.warmup"),
+        (["algo.kl_coef=0.1", "algo.kl_type=full"], "algo.kl_type full is not implemented"),
     ],
 )
 def test_megatron_refuses_what_it_would_ignore(overrides: list[str], fragment: str) -> None:

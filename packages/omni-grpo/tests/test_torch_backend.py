@@ -124,6 +124,21 @@ def test_reference_only_with_kl(world: dict) -> None:
     assert second["kl_loss"] > 0
 
 
+def test_full_kl_pulls_towards_the_reference(world: dict) -> None:
+    """kl_type full: zero at the reference, positive after an update, and with no policy
+    gradient (all advantages 0) the KL-only step lowers the exact KL it reports."""
+    backend = _backend(world, algo={"kl_coef": 1.0, "kl_type": "full"})
+    groups = world["groups"]
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(groups))
+    first = backend.step(GRPOBatch(groups, adv))
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    moved = backend.step(GRPOBatch(groups, adv))["kl_loss"]
+    assert moved > 0
+    backend.optimizer = torch.optim.SGD(backend.params, lr=0.5)  # no AdamW momentum from above
+    kls = [backend.step(GRPOBatch(groups, torch.zeros_like(adv)))["kl_loss"] for _ in range(3)]
+    assert kls[0] > kls[1] > kls[2], kls
+
+
 def test_checkpoint_state_round_trip(world: dict) -> None:
     a = _backend(world)
     a.step(GRPOBatch(world["groups"], torch.tensor([[1.0, -1.0, 1.0, -1.0]] * 3)))

@@ -321,7 +321,12 @@ class AlgoConfig(_Strict):
         None, gt=1, description="dual-clip constant c > 1; None disables"
     )
     kl_coef: float = Field(0.0, ge=0)
-    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl", "full"] = Field(
+        "k1",
+        description="k1/k2/k3/low_var_kl: estimators on the sampled tokens; full: the exact "
+        "KL(ref || pi) over the vocabulary at each response position (the expectation of k3's "
+        "gradient without its sampling variance; torch backend)",
+    )
     kl_unbiased: bool = Field(
         False, description="multiply the KL term by the importance ratio exp(logp-old)"
     )
@@ -340,6 +345,10 @@ class AlgoConfig(_Strict):
         if self.use_rollout_logprobs and self.tis.enabled:
             raise ValueError(
                 "use_rollout_logprobs and tis.enabled are mutually exclusive (TIS would be identically 1)"
+            )
+        if self.kl_unbiased and self.kl_type == "full":
+            raise ValueError(
+                "algo.kl_unbiased does not apply to kl_type full (an exact KL, not a sample estimate)"
             )
         return self
 
@@ -541,6 +550,11 @@ def megatron_refusals(cfg: OmniGRPOConfig) -> list[str]:
     if cfg.trainer.warmup is not None and cfg.trainer.warmup.steps > 0:
         out.append(
             "trainer.warmup (the supervised format warm-up) is not implemented for the megatron backend"
+        )
+    if cfg.algo.kl_type == "full" and cfg.algo.kl_coef != 0:
+        out.append(
+            "algo.kl_type full is not implemented for the megatron backend (it needs a "
+            "vocab-parallel KL over both models' logits); use k3 or low_var_kl"
         )
     return out
 

@@ -3,7 +3,11 @@
 from omni_grpo.algo.advantages import group_advantages
 from omni_grpo.algo.aggregate import aggregate, masked_mean, masked_zero
 from omni_grpo.algo.kl import KL_ESTIMATORS, kl_estimate
-from omni_grpo.algo.logprobs import entropy_from_logits, token_logprobs_from_logits
+from omni_grpo.algo.logprobs import (
+    entropy_from_logits,
+    forward_kl_from_logits,
+    token_logprobs_from_logits,
+)
 from omni_grpo.algo.loss import clipped_surrogate, grpo_loss, tis_weights
 from omni_grpo.algo.metrics import MISMATCH_KEYS, mismatch_metrics
 
@@ -13,6 +17,7 @@ __all__ = [
     "aggregate",
     "clipped_surrogate",
     "entropy_from_logits",
+    "forward_kl_from_logits",
     "grpo_loss",
     "group_advantages",
     "kl_estimate",

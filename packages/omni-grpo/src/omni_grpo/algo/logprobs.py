@@ -7,7 +7,9 @@ backward writes ``(onehot - softmax) * grad / T`` chunk by chunk straight into o
 buffer in the logits' dtype — no float32 chunk is kept for backward, no per-chunk gradients wait
 for a concatenation. Against activation checkpointing of each chunk (the previous form) this
 removed ~2 GiB of peak memory from a 4-layer real-width GRPO step (benchmarks/vs_trl.py) at the
-same speed. Entropies (only with ``algo.entropy_coef``) keep checkpointed chunks.
+same speed. Entropies (only with ``algo.entropy_coef``) keep checkpointed chunks. The exact
+forward KL to a reference (``algo.kl_type: full``) is one such function too: its gradient
+``(softmax(z) - softmax(z_ref)) / T`` is written chunk by chunk from the two logit matrices.
 
 Chunks are sized in elements (``CHUNK_ELEMENTS`` float32 values, 128 MiB), not rows: the row
 count that bounds memory depends on the vocabulary, and a tiny model's whole batch is one chunk.
@@ -80,6 +82,66 @@ class _TokenLogprobs(torch.autograd.Function):
             d.scatter_add_(-1, targets[start:end, None], g)
             out[start:end] = d.mul_(scale) if scale != 1.0 else d
         return out, None, None, None
+
+
+class _ForwardKL(torch.autograd.Function):
+    """``KL(softmax(ref / T) || softmax(logits / T))`` per row of ``[N, V]``, chunked; the gradient
+    flows to ``logits`` only (the reference is a constant)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float, rows: int
+    ) -> torch.Tensor:
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], rows):
+            end = start + rows
+            ref = torch.log_softmax(_scaled(ref_logits[start:end], temperature), dim=-1)
+            pol = torch.log_softmax(_scaled(logits[start:end], temperature), dim=-1)
+            out[start:end] = (ref.exp() * (ref - pol)).sum(-1)
+        ctx.save_for_backward(logits, ref_logits)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        logits, ref_logits = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        scale = 1.0 / ctx.temperature
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = start + ctx.rows
+            g = grad[start:end, None].float() * scale
+            d = torch.softmax(_scaled(logits[start:end], ctx.temperature), dim=-1)
+            d.sub_(torch.softmax(_scaled(ref_logits[start:end], ctx.temperature), dim=-1))
+            out[start:end] = d.mul_(g)
+        return out, None, None, None
+
+
+def forward_kl_from_logits(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Exact ``KL(ref || pi)`` (nats, float32) at every position, over the whole vocabulary.
+
+    ``logits [..., V]`` are the policy's (with grad), ``ref_logits`` the reference's at the same
+    positions (no grad needed; only ``logits`` receives one). This is what the sampled k3 loss
+    estimates (its gradient's expectation under pi is that of ``KL(ref || pi)``), without the
+    sampling: k3's per-sample gradient is ``1 - ref/pi`` on the sampled token, unbounded for a
+    token pi has made rare — the spike that flips a near-deterministic policy (issue 16) —
+    while this gradient, ``softmax(z) - softmax(z_ref)`` per logit, is bounded by 1 and does not
+    fade as pi turns deterministic.
+    """
+    if logits.shape != ref_logits.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and reference logits {tuple(ref_logits.shape)} differ"
+        )
+    t = temperature if temperature > 0 else 1.0
+    v = logits.shape[-1]
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // v)
+    flat = _ForwardKL.apply(logits.reshape(-1, v), ref_logits.detach().reshape(-1, v), t, rows)
+    return flat.view(logits.shape[:-1])
 
 
 def token_logprobs_from_logits(

@@ -70,6 +70,7 @@ def grpo_loss(
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
     *,
     num_samples: float | None = None,
     num_tokens: float | None = None,
@@ -81,9 +82,12 @@ def grpo_loss(
       ``rollout_logp`` when ``cfg.use_rollout_logprobs``.
     - ``advantages``: ``[B]`` (broadcast over tokens) or ``[B, T]``.
     - ``mask``: response tokens; masked positions are zeroed everywhere, NaN/inf included.
-    - ``ref_logp``: needed when ``cfg.kl_coef > 0`` (also reported as ``kl_loss`` when given).
+    - ``ref_logp``: needed when ``cfg.kl_coef > 0`` (also reported as ``kl_loss`` when given),
+      except with ``kl_type: full``, which takes ``kl`` instead.
     - ``rollout_logp``: engine logprobs; enables TIS (``cfg.tis.enabled``) and the mismatch metrics.
     - ``entropy [B, T]``: per-token entropy (``entropy_from_logits``); needed when ``entropy_coef > 0``.
+    - ``kl [B, T]``: per-token exact KL (``forward_kl_from_logits``, with grad) for ``kl_type: full``:
+      it needs both models' logits over the vocabulary, which only the backend holds.
     - ``num_samples`` / ``num_tokens``: global normalisers for micro-batching (see ``aggregate``).
 
     Metrics are plain floats (one device sync); means over this call's response tokens/samples.
@@ -141,13 +145,21 @@ def grpo_loss(
         if cfg.entropy_coef != 0:
             loss = loss - cfg.entropy_coef * entropy_loss
 
-    if cfg.kl_coef != 0 and ref_logp is None:
-        raise ValueError("algo.kl_coef > 0 needs ref_logp from the reference model")
-    if ref_logp is not None:
-        kl = kl_estimate(logp, masked_zero(ref_logp.detach().to(logp.dtype), m), cfg.kl_type)
-        if cfg.kl_unbiased:
-            kl = kl * ratio
-        kl_loss = aggregate(kl, m, **agg)
+    if cfg.kl_type == "full":
+        if cfg.kl_coef != 0 and kl is None:
+            raise ValueError("algo.kl_type full needs the per-token kl (forward_kl_from_logits)")
+        kl_tokens = masked_zero(kl.float(), m) if kl is not None else None
+    else:
+        if cfg.kl_coef != 0 and ref_logp is None:
+            raise ValueError("algo.kl_coef > 0 needs ref_logp from the reference model")
+        kl_tokens = None
+        if ref_logp is not None:
+            ref = masked_zero(ref_logp.detach().to(logp.dtype), m)
+            kl_tokens = kl_estimate(logp, ref, cfg.kl_type)
+            if cfg.kl_unbiased:
+                kl_tokens = kl_tokens * ratio
+    if kl_tokens is not None:
+        kl_loss = aggregate(kl_tokens, m, **agg)
         metrics["kl_loss"] = kl_loss.detach()
         if cfg.kl_coef != 0:
             loss = loss + cfg.kl_coef * kl_loss

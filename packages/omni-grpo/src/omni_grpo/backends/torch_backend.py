@@ -44,7 +44,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from omni_grpo.algo import entropy_from_logits, grpo_loss, token_logprobs_from_logits
+from omni_grpo.algo import (
+    entropy_from_logits,
+    forward_kl_from_logits,
+    grpo_loss,
+    token_logprobs_from_logits,
+)
 from omni_grpo.algo.step import (
     MetricSums,
     StepDecision,
@@ -263,8 +268,11 @@ class TorchBackend:
         if self.cfg.ppo_epochs > 1:
             with torch.no_grad():
                 old = [self._token_logp(self.model, mb, batch.temperature).float() for mb in mbs]
+        # kl_type full needs the reference's logits over the vocabulary: computed per micro-batch
+        # in the loop below (one micro-batch of them alive at a time), not stored for all here.
+        full_kl = self.algo.kl_type == "full"
         ref: list[torch.Tensor | None] = [None] * len(mbs)
-        if self.reference is not None:
+        if self.reference is not None and not full_kl:
             with torch.no_grad():
                 ref = [
                     self._token_logp(self.reference, mb, batch.temperature).float() for mb in mbs
@@ -281,6 +289,12 @@ class TorchBackend:
                 entropy = None
                 if self.algo.entropy_coef != 0:
                     entropy = entropy_from_logits(logits, batch.temperature)
+                kl = None
+                if full_kl and self.reference is not None:
+                    with torch.no_grad():
+                        ref_logits = self._logits(self.reference, mb)
+                    kl = forward_kl_from_logits(logits, ref_logits, batch.temperature)
+                    del ref_logits
                 old_logp = old[i] if old[i] is not None else logp.detach()
                 loss, m = grpo_loss(
                     logp,
@@ -291,6 +305,7 @@ class TorchBackend:
                     ref_logp=ref[i],
                     rollout_logp=mb.rollout_logp.to(self.device),
                     entropy=entropy,
+                    kl=kl,
                     num_samples=counts.num_samples,
                     num_tokens=counts.num_tokens,
                 )
