@@ -44,6 +44,8 @@ def train_command(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # one INFO line per HTTP request would bury the run's own log (hundreds per step)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from omni_grpo.ray.driver import ActorFailure
     from omni_grpo.ray.placement import PlacementError
 

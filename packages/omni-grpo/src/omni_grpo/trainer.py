@@ -505,7 +505,8 @@ def train(
             )
         elif state.step == 0 and not state.warmup_done:
             state.warmup_done = True
-            logger.log(0, run_eval())
+            if baseline := run_eval():  # no empty step-0 row when evaluation is off
+                logger.log(0, baseline)
 
         end = cfg.run.steps if stop_after is None else min(cfg.run.steps, stop_after)
         with TrainProgress(cfg.run.steps, state.step, enabled=progress) as bar:
