@@ -74,7 +74,7 @@ def test_no_sample_lost_or_duplicated_across_a_sync_with_requests_in_flight(
         sync = make_weight_sync(cfg, run_dir=tmp_path)
         ahead = AheadEngine(engine)
         try:
-            batch = ahead.submit(prompts, n, sampling)
+            batch = ahead.submit(lambda: prompts, n, sampling)
             # the short samples are done, the long ones are being generated: sync now
             wait_until(
                 lambda: (
@@ -178,7 +178,7 @@ def test_policy_snapshot_is_a_copy_updated_only_between_batches() -> None:
     assert not torch.equal(snap.module.weight, policy.weight)
     ahead = AheadEngine(snap)
     try:
-        batch = ahead.submit([prompt("a", True)], 2, SamplingParams())
+        batch = ahead.submit(lambda: [prompt("a", True)], 2, SamplingParams())
         assert engine.started.wait(30)
         pushed = threading.Thread(target=snap.push, args=(dict(policy.state_dict()), "step-1"))
         pushed.start()

@@ -305,12 +305,12 @@ def test_close_releases_what_the_sync_owns(tmp_path: Path) -> None:
         own.close()
         own.close()  # idempotent
         assert own.loop.loop.is_closed()
-        assert all(c._http.is_closed for c in own.clients)
+        assert all(c.is_closed for c in own.clients)
         shared = BackgroundLoop()
         try:
             sync = make_weight_sync(cfg, run_dir=tmp_path, loop=shared)
             sync.close()
-            assert all(c._http.is_closed for c in sync.clients)
+            assert all(c.is_closed for c in sync.clients)
             assert shared.run(asyncio.sleep(0, result=1), 5) == 1  # the caller's loop lives on
         finally:
             shared.close()

@@ -151,7 +151,8 @@ async def test_cancelled_group_is_aborted_on_the_server(make_server):
             await task
         # 0.1.9 would decode all 4 to the end (20 s each); the client aborts them instead
         await _until(lambda: client.orphans_aborted == 4, "the client aborted them")
-        assert server.active_count() == 0
+        # an aborted request leaves at its next token step, not within the pause reply
+        await _until(lambda: server.active_count() == 0, "the server dropped them")
         assert not server.engine_paused
         after = await client.generate([1, 2], {"max_new_tokens": 2})  # still serving
     assert [r.outcome for r in server.records[:4]] == ["aborted"] * 4

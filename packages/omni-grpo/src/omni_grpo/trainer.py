@@ -522,8 +522,13 @@ def train(
                 trained_cursor = sampler.cursor
                 ahead_batch = None
                 if ahead is not None and step < end:
-                    prompts = next_prompts(train_set, sampler, cfg.rollout.prompts_per_step)
-                    ahead_batch = ahead.submit(prompts, cfg.rollout.n_samples, sampling)
+                    # The worker draws the prompts too: loading is rollout work, not the
+                    # trainer's. The sampler is not touched here again until the batch is in.
+                    ahead_batch = ahead.submit(
+                        lambda: next_prompts(train_set, sampler, cfg.rollout.prompts_per_step),
+                        cfg.rollout.n_samples,
+                        sampling,
+                    )
                 t_rollout = time.perf_counter() - t0
                 # rewards -> advantages
                 rewards = score_groups(groups, cfg.rewards)

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -77,6 +77,14 @@ class Retry(Enum):
     CONNECT = "connect"  # only when the request provably never reached the server
     NONE = "none"
 
+
+# httpcore's pool rescans all of its connections (a socket check each) and all of its queued
+# requests whenever a request enters or leaves it: per batch, cost ~ requests x connections. At 64
+# concurrent /generate on one pool that was half of the client's CPU, on the thread (and under the
+# GIL) that a trainer in the same process needs. Generation requests therefore spread over pools
+# of at most POOL_CONNECTIONS connections each.
+POOL_CONNECTIONS = 8
+ADMIN_CONNECTIONS = 8
 
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -125,6 +133,29 @@ class ModelInfo:
 async def _aiter_chunks(chunks: Sequence[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
+
+
+# Body chunks below this size are joined before sending: each chunk is one awaited socket write
+# (with its own cancel scope), ~20 per /generate body. Larger ones (the encoded media) are sent
+# as they are, shared by every sample of the group.
+COALESCE_BYTES = 1 << 16
+
+
+def coalesce(chunks: Sequence[bytes], limit: int = COALESCE_BYTES) -> list[bytes]:
+    """``chunks`` with every run of small ones joined into one; ``b"".join`` is unchanged."""
+    out: list[bytes] = []
+    run: list[bytes] = []
+    for chunk in chunks:
+        if len(chunk) >= limit:
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(chunk)
+        else:
+            run.append(chunk)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 def _response_body(response: httpx.Response) -> Any:
@@ -201,13 +232,23 @@ class OmniRolloutClient:
         self.orphans_aborted = 0
         self._reaping: asyncio.Event | None = None
         self._reap_tasks: set[asyncio.Task[None]] = set()
-        connections = max_connections or max_concurrency + 8  # headroom for admin calls
-        self._http = httpx.AsyncClient(
+        generation = max_connections or max_concurrency
+        self._per_pool = max(1, min(POOL_CONNECTIONS, generation))
+        pools = -(-generation // self._per_pool)
+        keepalive = max_keepalive_connections or generation
+        self._pool_keepalive = max(1, min(self._per_pool, keepalive // pools))
+        # One TLS context for all pools (httpx would build one per pool); pools open on first use.
+        self._ssl = httpx.create_ssl_context()
+        self._pools: list[httpx.AsyncClient | None] = [None] * pools
+        self._pool_load = [0] * pools
+        # Admin calls have a pool of their own: a pause is never queued behind rollouts.
+        self._http = self._pool(ADMIN_CONNECTIONS, ADMIN_CONNECTIONS)
+
+    def _pool(self, connections: int, keepalive: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
             base_url=self.base_url,
-            limits=httpx.Limits(
-                max_connections=connections,
-                max_keepalive_connections=max_keepalive_connections or connections,
-            ),
+            verify=self._ssl,
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=keepalive),
             timeout=httpx.Timeout(
                 connect=self.timeouts.connect,
                 read=self.timeouts.admin,
@@ -215,6 +256,26 @@ class OmniRolloutClient:
                 pool=self.timeouts.pool,
             ),
         )
+
+    @contextlib.contextmanager
+    def _generation_pool(self) -> Iterator[httpx.AsyncClient]:
+        """The least busy generation pool. Every /generate attempt holds one of
+        ``max_concurrency`` slots and the pools together hold that many connections (unless
+        ``max_connections`` says fewer), so the least busy pool has a free connection: nothing
+        waits in httpcore's queue."""
+        index = min(range(len(self._pools)), key=self._pool_load.__getitem__)
+        pool = self._pools[index]
+        if pool is None:
+            pool = self._pools[index] = self._pool(self._per_pool, self._pool_keepalive)
+        self._pool_load[index] += 1
+        try:
+            yield pool
+        finally:
+            self._pool_load[index] -= 1
+
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed and all(p is None or p.is_closed for p in self._pools)
 
     def __repr__(self) -> str:
         key = "<redacted>" if self.__admin_api_key else None
@@ -231,7 +292,9 @@ class OmniRolloutClient:
             self._schedule_reap()
         if self._reap_tasks:
             await asyncio.gather(*self._reap_tasks, return_exceptions=True)
-        await self._http.aclose()
+        for pool in (*self._pools, self._http):
+            if pool is not None:
+                await pool.aclose()
 
     def clone_for(self, base_url: str) -> OmniRolloutClient:
         """A client for another server with the same settings (e.g. one router worker)."""
@@ -274,6 +337,8 @@ class OmniRolloutClient:
         orphan the server keeps running (aborted once nothing of ours is in flight).
         """
         headers = self._admin_headers() if admin else {}
+        if chunks is not None:
+            chunks = coalesce(chunks)
         timeout = httpx.Timeout(
             connect=self.timeouts.connect,
             read=read_timeout,
@@ -295,18 +360,22 @@ class OmniRolloutClient:
                         "Content-Length": str(sum(len(c) for c in chunks)),
                     }
                 async with self._slots if limited else contextlib.nullcontext():
+                    pool = (
+                        self._generation_pool() if limited else contextlib.nullcontext(self._http)
+                    )
                     if generation:
                         await self._not_reaping()
                         self._in_flight += 1
                     try:
-                        response = await self._http.request(
-                            method,
-                            route,
-                            content=content,
-                            json=json_body if chunks is None else None,
-                            headers={**headers, **(headers_for_body or {})},
-                            timeout=timeout,
-                        )
+                        with pool as http:
+                            response = await http.request(
+                                method,
+                                route,
+                                content=content,
+                                json=json_body if chunks is None else None,
+                                headers={**headers, **(headers_for_body or {})},
+                                timeout=timeout,
+                            )
                     except (asyncio.CancelledError, *_ORPHANING_ERRORS):
                         if generation:
                             self._orphans += 1

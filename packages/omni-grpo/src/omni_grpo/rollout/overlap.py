@@ -118,11 +118,18 @@ class AheadEngine:
         self._pending: Future[list[list[Completion]]] | None = None
 
     def submit(
-        self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
+        self, draw: Callable[[], list[PromptInputs]], n: int, sampling: SamplingParams
     ) -> Future[list[list[Completion]]]:
+        """``engine.generate(draw(), n, sampling)`` on the worker thread.
+
+        ``draw`` loads the batch's prompts (media decoding, templating: CPU work that would
+        otherwise delay the request, and sit on the trainer's thread); it runs on the worker,
+        before the request, so the caller must leave what it reads (the data sampler) alone
+        until the future is done.
+        """
         if self._pending is not None and not self._pending.done():
             raise RuntimeError("a rollout batch is already in flight (max_staleness is 1)")
-        self._pending = self._pool.submit(self.engine.generate, prompts, n, sampling)
+        self._pending = self._pool.submit(lambda: self.engine.generate(draw(), n, sampling))
         return self._pending
 
     def close(self) -> None:

@@ -33,7 +33,11 @@ class BackgroundServer:
         self.url = ""
 
     def start(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say TCP (proto 0 does
+        # not), and uvicorn binding host:port itself gets such a socket. Without it every reply
+        # written as headers + body waits ~40 ms for a delayed ACK (Nagle), which a real server
+        # does not do.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port))
         port = sock.getsockname()[1]
