@@ -22,10 +22,16 @@ Every admin call carries a server-side ``timeout_s`` derived from this client's 
 server's own defaults (disk update 120 s, pause 60 s) would otherwise fail a slow load early.
 
 Requests nobody will read are aborted on the server: sglang-omni 0.1.9 runs a /generate to the end
-even after its HTTP request was cancelled or timed out, and has no per-request abort route (no
-request id is returned either). The client counts such orphans and, as soon as none of its own
-requests is in flight, sends ``pause_generation("abort")`` + ``continue_generation`` (new requests
-wait meanwhile), so the GPU does not keep decoding samples that were given up.
+even after its HTTP request was cancelled or timed out, and has no per-request abort route
+(``/abort_request`` is a 404, and no request id is returned either). The only abort is
+``pause_generation("abort")``, which drops every request on the engine. So the client counts such
+orphans and, as soon as none of its own requests is in flight (new ones wait meanwhile), reads the
+thinker's load from ``/model_info``: nothing running -> nothing to do; at most as many requests as
+orphans, engine not paused -> they can only be ours, so ``pause_generation("abort")`` +
+``continue_generation``; more than that, or the engine paused by another caller (e.g. a weight
+update that retracted requests it wants finished) -> the orphans are left to run and counted in
+``orphans_spared``. Nothing another caller still needs is aborted (bar a request that arrives
+between that read and the pause, which an ``OmniRolloutClient`` retries: the abort was not its own).
 """
 
 from __future__ import annotations
@@ -229,7 +235,11 @@ class OmniRolloutClient:
         # server may still be running; see the module docstring.
         self._in_flight = 0
         self._orphans = 0
+        # What became of them: aborted by us, found already finished, or left running because
+        # the server also held requests that were not ours (see ``_reap_orphans``).
         self.orphans_aborted = 0
+        self.orphans_finished = 0
+        self.orphans_spared = 0
         self._reaping: asyncio.Event | None = None
         self._reap_tasks: set[asyncio.Task[None]] = set()
         generation = max_connections or max_concurrency
@@ -442,6 +452,25 @@ class OmniRolloutClient:
         assert self._reaping is not None
         orphans, self._orphans = self._orphans, 0
         try:
+            # 0.1.9 has no per-request abort, so pause(abort) drops EVERY request on the server.
+            # Nothing of ours is in flight, so whatever the thinker still runs is either our
+            # orphans or someone else's: abort only when it can all be ours, and never while the
+            # engine is paused by someone else (a retract-paused update's requests must finish).
+            active, paused = await self._thinker_load()
+            if active == 0:
+                self.orphans_finished += orphans
+                return
+            if paused or active > orphans:
+                self.orphans_spared += orphans
+                log.warning(
+                    "%s: %d abandoned /generate request(s) left running: the server runs %d "
+                    "request(s)%s, and sglang-omni 0.1.9 can only abort all of them",
+                    self.base_url,
+                    orphans,
+                    active,
+                    " and is paused by another caller" if paused else " (others' among them)",
+                )
+                return
             try:
                 await self._admin("/pause_generation", {"mode": "abort"}, retry=Retry.ALL)
             finally:
@@ -461,6 +490,16 @@ class OmniRolloutClient:
             )
         finally:
             self._reaping.set()
+
+    async def _thinker_load(self) -> tuple[int, bool]:
+        """Requests the thinker holds (running + waiting, summed over workers) and whether it is
+        paused, from a scoped ``/model_info``."""
+        data = (await self.model_info()).reply.stage_data("thinker")
+        active = sum(
+            int(d.get("running_batch_size") or 0) + int(d.get("waiting_queue_size") or 0)
+            for d in data
+        )
+        return active, any(bool(d.get("engine_paused")) for d in data)
 
     @staticmethod
     def _error(route: str, status: int, body: Any) -> ServerResponseError:

@@ -99,10 +99,18 @@ class Aborted(Exception):
 
 def _validation_422(exc: ValidationError) -> JSONResponse:
     errors = []
-    for err in exc.errors(include_url=False, include_context=False):
-        item = {"type": err["type"], "loc": ["body", *err["loc"]], "msg": err["msg"]}
+    for err in exc.errors(include_url=False):
+        item: dict[str, Any] = {
+            "type": err["type"],
+            "loc": ["body", *err["loc"]],
+            "msg": err["msg"],
+        }
         if len(repr(err.get("input"))) < 200:
             item["input"] = err.get("input")
+        if "ctx" in err:  # FastAPI's jsonable_encoder turns an exception into {}
+            item["ctx"] = {
+                k: {} if isinstance(v, BaseException) else v for k, v in err["ctx"].items()
+            }
         errors.append(item)
     return JSONResponse({"detail": json.loads(json.dumps(errors, default=str))}, status_code=422)
 
@@ -305,7 +313,7 @@ class FakeWorkerApp:
             return {}
         try:
             return json.loads(raw)
-        except ValueError as exc:
+        except json.JSONDecodeError as exc:
             raise HTTPError(
                 422,
                 [
@@ -314,7 +322,7 @@ class FakeWorkerApp:
                         "loc": ["body", 0],
                         "msg": "JSON decode error",
                         "input": {},
-                        "ctx": {"error": str(exc)},
+                        "ctx": {"error": exc.msg},
                     }
                 ],
             ) from exc
@@ -339,8 +347,21 @@ class FakeWorkerApp:
     # -- public routes
     async def health(self, request: Request) -> Response:
         if self._starting():
-            return JSONResponse({"status": "starting", "running": False}, status_code=503)
-        return JSONResponse({"status": "healthy", "running": True})
+            return JSONResponse(
+                {"status": "starting", **self._coordinator_health()}, status_code=503
+            )
+        return JSONResponse({"status": "healthy", **self._coordinator_health()})
+
+    def _coordinator_health(self) -> dict[str, Any]:
+        """The coordinator's ``health()`` fields 0.1.9 merges into /health."""
+        return {
+            "running": True,
+            "stages": list(self.engine.stages),
+            "entry_stage": "preprocessing",
+            "total_requests": len(self.engine.active),
+            "pending_completions": len(self.engine.active),
+            "request_states": {"running": len(self.engine.active)} if self.engine.active else {},
+        }
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(
@@ -380,24 +401,20 @@ class FakeWorkerApp:
                 "backend did not return requested logprobs; expected output_token_logprobs for text or meta_info.omni_rollout for audio (set return_omni_rollout=true for audio logprobs)",
             )
         metadata = dict(req.metadata) if req.metadata else {}
+        # The checks run in the real server's order: the coordinator (session key), the
+        # preprocessor (bundle decoding, context limit), then the thinker's request builder
+        # (vocabulary, then sglang's SamplingParams). A stage's exception is a JSON 500 whose
+        # detail is its message, unless the message marks a caller error (then 400).
         if "omni_session" in metadata:
             raise HTTPError(400, "request metadata key 'omni_session' is reserved")
         sp = req.sampling_params
         temperature = 0.0 if sp.temperature is None else sp.temperature  # omitted = greedy on 0.1.9
-        if temperature > 0 and sp.top_k is not None and (sp.top_k == 0 or sp.top_k < -1):
-            return PlainTextResponse("Internal Server Error", status_code=500)
-        if sp.repetition_penalty is not None and sp.repetition_penalty > 2:
-            return PlainTextResponse("Internal Server Error", status_code=500)
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-        if len(stop) > MAX_STOP_STRINGS:
-            raise HTTPError(400, f"too many stop strings: {len(stop)} > {MAX_STOP_STRINGS}")
         max_new = sp.max_new_tokens or sp.max_tokens or 2048
         tensors: dict[str, np.ndarray] = {}
         digests: dict[str, tuple[str, list[int], str]] = {}
-        if req.prompt is not None:
-            return PlainTextResponse(
-                "Internal Server Error", status_code=500
-            )  # Qwen3-Omni preprocessing cannot take a raw prompt
+        if req.prompt is not None:  # Qwen3-Omni preprocessing cannot take a raw prompt
+            raise HTTPError(500, "Preprocessing expects a list of chat messages")
         if req.messages is not None:
             text = json.dumps([m.model_dump() for m in req.messages])
             input_ids = [b % self.engine.vocab_size for b in text.encode()]
@@ -416,12 +433,14 @@ class FakeWorkerApp:
                 )
             for name, spec in sorted(req.multimodal_train_inputs.tensors.items()):
                 raw = base64.b64decode(spec.data)
-                if math.prod(spec.shape) == 0:
-                    return PlainTextResponse("Internal Server Error", status_code=500)
+                if math.prod(spec.shape) == 0:  # torch.frombuffer of an empty buffer
+                    raise HTTPError(500, "both buffer length (0) and count (-1) must not be 0")
                 tensors[name] = np.frombuffer(raw, dtype=NUMPY_OF_WIRE[spec.dtype]).reshape(
                     spec.shape
                 )
                 digests[name] = (spec.dtype, list(spec.shape), hashlib.sha256(raw).hexdigest())
+        self._check_context(len(input_ids), max_new)
+        if tensors:
             has_image = "pixel_values" in tensors or "pixel_values_videos" in tensors
             has_audio = "input_features" in tensors
             for meta, kind in META_PAYLOAD.items():
@@ -436,18 +455,27 @@ class FakeWorkerApp:
                         "multimodal_train_inputs provides audio metadata without input_features",
                     )
             if "feature_attention_mask" in tensors and tensors["feature_attention_mask"].ndim != 2:
-                return PlainTextResponse("Internal Server Error", status_code=500)
-        if any(t >= self.engine.vocab_size for t in input_ids):
+                raise HTTPError(
+                    500, "Dimension out of range (expected to be in range of [-1, 0], but got 1)"
+                )
+        for position, token in enumerate(input_ids):
+            if token >= self.engine.vocab_size:
+                raise HTTPError(
+                    400,
+                    f"prompt contains out-of-vocabulary token id {token} at position {position}. "
+                    f"Valid token ids are in [0, {self.engine.vocab_size}).",
+                )
+        if len(stop) > MAX_STOP_STRINGS:
             raise HTTPError(
-                400, f"token id out of vocabulary (vocab_size={self.engine.vocab_size})"
+                400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}"
             )
-        if (
-            len(input_ids) >= self.engine.max_seq_len
-            or len(input_ids) + max_new >= self.engine.max_seq_len
-        ):
+        if temperature > 0 and sp.top_k is not None and (sp.top_k == 0 or sp.top_k < -1):
+            raise HTTPError(500, f"top_k must be -1 (disable) or at least 1, got {sp.top_k}.")
+        if sp.repetition_penalty is not None and sp.repetition_penalty > 2:
             raise HTTPError(
-                400,
-                f"Requested token count exceeds the model's maximum context length of {self.engine.max_seq_len} tokens. You requested a total of {len(input_ids) + max_new} tokens: {len(input_ids)} tokens from the input messages and {max_new} tokens for the completion.",
+                500,
+                "repetition_penalty must be in (0, 2] (1.0 = no penalty), "
+                f"got {float(sp.repetition_penalty)}.",
             )
         engine = self.engine
         if engine.max_inflight is not None and len(engine.active) >= engine.max_inflight:
@@ -536,10 +564,25 @@ class FakeWorkerApp:
         record.outcome = "ok"
         return JSONResponse(content)
 
+    def _check_context(self, prompt_len: int, max_new: int) -> None:
+        limit = self.engine.max_seq_len
+        if prompt_len >= limit:
+            raise HTTPError(
+                400,
+                f"The input ({prompt_len} tokens) is longer than the model's context length ({limit} tokens).",
+            )
+        if prompt_len + max_new >= limit:
+            raise HTTPError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages and {max_new} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+            )
+
     # -- admin
     def _resolve_stages(self, stages: list[str] | None) -> list[str]:
         if stages is None:
-            return list(self.engine.stages)
+            return sorted(self.engine.stages)  # the coordinator's order for "every stage"
+        if not stages:  # "No stages registered for admin operation", uncaught
+            raise HTTPError(500, "No stages registered for admin operation")
         unknown = sorted(set(stages) - set(self.engine.stages))
         if unknown:
             raise HTTPError(500, f"Unknown admin target stage(s): {unknown}")
@@ -553,9 +596,10 @@ class FakeWorkerApp:
         for stage in stages:
             res = per_stage.get(stage) or {
                 "success": True,
-                "message": "skipped",
+                "message": "stage does not support admin operations",
                 "data": {"skipped": True, "unsupported": True},
                 "error": None,
+                "rank": None,
             }
             results.append(
                 {
@@ -566,8 +610,8 @@ class FakeWorkerApp:
                     "message": res.get("message", ""),
                     "data": res.get("data", {}),
                     "error": res.get("error"),
-                    "rank": 0,
-                    "role": None,
+                    "rank": res.get("rank", 0),
+                    "role": "single",
                 }
             )
         acting = [
@@ -759,11 +803,10 @@ class FakeWorkerApp:
     ) -> dict[str, Any]:
         def update(stage: str, p: dict[str, Any]) -> tuple[bool, str]:
             names, dtypes, shapes = p["names"], p["dtypes"], p["shapes"]
-            if not names or not (len(names) == len(dtypes) == len(shapes)):
-                return (
-                    False,
-                    f"names, dtypes and shapes must be non-empty and of equal length ({len(names)}, {len(dtypes)}, {len(shapes)})",
-                )
+            if not names or not dtypes or not shapes:  # ModelWorker's own wording
+                return False, "names, dtypes and shapes must be non-empty"
+            if not (len(names) == len(dtypes) == len(shapes)):
+                return False, "names, dtypes and shapes must have the same length"
             if p.get("group_name") not in self.engine.groups:
                 return False, f"weight update group {p.get('group_name')!r} is not initialized"
             self._set_version(stage, p)
