@@ -311,3 +311,35 @@ def test_groups_spread_over_worker_urls_across_calls() -> None:
             engine.close()
         assert [r.metadata["omni_grpo_uid"] for r in a.records] == ["s0", "s0"]
         assert [r.metadata["omni_grpo_uid"] for r in b.records] == ["s1", "s1"]
+
+
+def test_checkpoint_placeholder_ids_reach_the_audio_in_video_refusal(server, tmp_path) -> None:
+    """A checkpoint whose media ids are not the released Qwen3-Omni ones (the tiny model) is
+    still checked: the engine refuses its interleaved audio-in-video prompt before sending."""
+    from omni_extract import extract
+    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
+    from omni_grpo.config import RolloutConfig
+    from omni_grpo.models.sideband import read_sideband
+    from omni_grpo.rollout import create_engine
+    from omni_grpo.sglang import checkpoint_media_ids
+    from omni_rollout_client.payload import QWEN3_OMNI_MEDIA_IDS
+
+    make_tiny_omni(tmp_path / "omni", TinyOmniSpec(with_talker=False))
+    extract(tmp_path / "omni", tmp_path / "vl", variant="vl")
+    ids = checkpoint_media_ids(tmp_path / "vl")
+    assert ids != QWEN3_OMNI_MEDIA_IDS
+    video = read_sideband(tmp_path / "vl").id("video_token_id")
+    interleaved = [1, ids.vision_start, ids.audio_start, video, ids.audio_pad, ids.vision_end, 2]
+    prompt = PromptInputs(sample=Sample(uid="aiv", prompt="p", label="A"), input_ids=interleaved)
+    cfg = RolloutConfig(engine="sglang-omni", sglang=SglangOmniConfig(urls=[server.url]))
+    engine = create_engine(cfg, vocab_size=VOCAB, media_ids=ids)
+    unchecked = create_engine(cfg, vocab_size=None)  # the released ids: blind to this checkpoint
+    try:
+        assert all(c.media_ids == ids for c in engine.clients)
+        with pytest.raises(ClientValidationError, match="0.1.9 server has no audio-in-video"):
+            engine.generate([prompt], 2, SamplingParams(max_new_tokens=2))
+        assert unchecked.prepare(prompt).input_ids == tuple(interleaved)
+    finally:
+        engine.close()
+        unchecked.close()
+    assert server.records == []

@@ -129,6 +129,7 @@ def eval_command(
     from omni_grpo.models.sideband import media_token_ids
     from omni_grpo.rollout import create_engine
     from omni_grpo.run.checkpoint import latest_checkpoint, load_checkpoint
+    from omni_grpo.sglang import checkpoint_media_ids
     from omni_grpo.trainer import (
         end_of_turn_ids,
         evaluate,
@@ -168,6 +169,7 @@ def eval_command(
         policy=backend.policy,
         eos_token_ids=eos_ids,
         banned_token_ids=media_token_ids(backend.policy),
+        media_ids=checkpoint_media_ids(vl_dir),
         decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
         device=str(backend.device),
         vocab_size=len(tok),

@@ -54,6 +54,7 @@ from omni_grpo.run.rundir import (
     run_temp_parents,
 )
 from omni_grpo.run.stored_config import store_run_config
+from omni_grpo.sglang import checkpoint_media_ids
 from omni_grpo.types import Completion, GRPOBatch, PromptInputs, TrainerBackend
 
 if TYPE_CHECKING:
@@ -353,6 +354,8 @@ def train(
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
+    # The checkpoint's own placeholder ids: a remote engine refuses audio-in-video prompts by them.
+    media_ids = checkpoint_media_ids(vl_dir)
     backend: TrainerBackend
     ray_run = None
     if plan_run(cfg).distributed:
@@ -365,6 +368,7 @@ def train(
             eos_token_ids=eos_ids,
             decode_fn=decode,
             vocab_size=len(tokenizer),
+            media_ids=media_ids,
         )
         backend, engine, sync = ray_run.backend, ray_run.engine, ray_run.sync
     else:
@@ -377,6 +381,7 @@ def train(
             decode_fn=decode,
             device=str(backend.device),
             vocab_size=len(tokenizer),
+            media_ids=media_ids,
         )
         engine = create_engine(cfg.rollout, policy=backend.policy, **context)
         sync = None

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_grpo.ray.errors import ActorFailure
 from omni_grpo.ray.placement import (
@@ -47,6 +47,9 @@ from omni_grpo.ray.placement import (
     rank_env,
 )
 from omni_grpo.serve import tail
+
+if TYPE_CHECKING:
+    from omni_rollout_client.payload import MediaTokenIds
 
 log = logging.getLogger(__name__)
 
@@ -445,6 +448,7 @@ def start_ray_run(
     eos_token_ids: list[int],
     decode_fn: Any,
     vocab_size: int | None = None,
+    media_ids: MediaTokenIds | None = None,
 ) -> RayRun:
     """Start every process of the plan and return the loop's stand-ins (see module doc)."""
     import ray
@@ -498,6 +502,7 @@ def start_ray_run(
             decode_fn=decode_fn,
             device="cpu",
             vocab_size=vocab_size,
+            media_ids=media_ids,
         )
         if run.rollout.engine not in IN_PROCESS:
             run.sync = TrainerSideSync(trainers, run.rollout.sglang, run_dir)

@@ -3,7 +3,7 @@
 An entry point names an engine class (or factory). If it has a ``from_rollout_config(cfg,
 **context)`` classmethod, that builds it from the ``RolloutConfig`` and the trainer's context
 (``policy`` module, ``eos_token_ids``, ``banned_token_ids``, ``decode_fn``, ``device``,
-``vocab_size``); otherwise it is called as ``cls(cfg.sglang, vocab_size=...)`` — the signature of
+``vocab_size``, ``media_ids``: the checkpoint's placeholder ids; take ``**context`` so new keys pass); otherwise it is called as ``cls(cfg.sglang, vocab_size=...)`` — the signature of
 remote engines, which take their server settings only.
 """
 

@@ -34,7 +34,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from omni_rollout_client.client import ModelInfo, OmniRolloutClient
-from omni_rollout_client.payload import BF16_CASTABLE, PreparedPrompt
+from omni_rollout_client.payload import (
+    BF16_CASTABLE,
+    QWEN3_OMNI_MEDIA_IDS,
+    MediaTokenIds,
+    PreparedPrompt,
+)
 from omni_rollout_client.result import GenerateResult, concat_results
 from omni_rollout_client.sampling import filter_sampling_params
 
@@ -90,7 +95,10 @@ class SglangOmniEngine:
         decode_fn: Callable[[list[int]], str] | None = None,
         banned_token_ids: Sequence[int] | None = None,
         max_rerolls: int = 8,
+        media_ids: MediaTokenIds | None = None,
     ) -> None:
+        """``media_ids``: the checkpoint's placeholder ids (``omni_grpo.sglang.checkpoint_media_ids``)
+        for the audio-in-video refusal; default the released Qwen3-Omni ids."""
         if not (cfg.urls or cfg.router_url) and clients is None:
             raise ValueError("rollout.sglang: set urls (worker URLs) or router_url")
         self.cfg = cfg
@@ -98,8 +106,11 @@ class SglangOmniEngine:
         self.max_resumes = max_resumes
         self._own_loop = loop is None
         self.loop = loop or BackgroundLoop("omni-grpo-rollout")
+        self.media_ids = media_ids or QWEN3_OMNI_MEDIA_IDS
         self.clients = (
-            list(clients) if clients is not None else make_clients(cfg, vocab_size=vocab_size)
+            list(clients)
+            if clients is not None
+            else make_clients(cfg, vocab_size=vocab_size, media_ids=self.media_ids)
         )
         self.vocab_size = vocab_size
         # Local decoding of the full id list (the trainer's tokenizer) is preferred over the
@@ -122,16 +133,19 @@ class SglangOmniEngine:
         vocab_size: int | None = None,
         decode_fn: Callable[[list[int]], str] | None = None,
         banned_token_ids: Sequence[int] | None = None,
+        media_ids: MediaTokenIds | None = None,
         **_context: Any,
     ) -> SglangOmniEngine:
         """Registry hook (``omni_grpo.rollout.create_engine``): server settings from
-        ``cfg.sglang``; the trainer's tokenizer (``decode_fn``) and ``vocab_size``. The in-process
-        context (policy module, device) does not apply to a remote engine."""
+        ``cfg.sglang``; the trainer's tokenizer (``decode_fn``), ``vocab_size`` and the
+        checkpoint's placeholder ids (``media_ids``). The in-process context (policy module,
+        device) does not apply to a remote engine."""
         return cls(
             cfg.sglang,
             vocab_size=vocab_size,
             decode_fn=decode_fn,
             banned_token_ids=banned_token_ids,
+            media_ids=media_ids,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,6 +195,7 @@ class SglangOmniEngine:
             bf16=self.bf16_payload,
             vocab_size=self.vocab_size,
             use_audio_in_video=prompt.use_audio_in_video,
+            media_ids=self.media_ids,
         )
         if self.bf16_payload:
             for name in BF16_CASTABLE & prompt.mm.keys():
