@@ -190,3 +190,13 @@ def test_real_placement_group_on_fake_gpus() -> None:
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["rank"] == "3" and got["bundle"] == 3 and got["gpus"] == 1.0
     assert got["state"] == "CREATED" and got["bundles"] == 4
+
+
+def test_ray_num_cpus_is_a_whole_number() -> None:
+    """The raylet takes num_cpus as an int32 flag: 8.0 killed it at start (H200 box, 30 s
+    "node timed out during startup"); a fractional count is refused in one line instead."""
+    from omni_grpo.config import RayConfig
+
+    assert type(RayConfig(num_cpus=8.0).num_cpus) is int
+    with pytest.raises(ValueError, match="num_cpus"):
+        RayConfig(num_cpus=1.5)

@@ -449,7 +449,10 @@ class RayConfig(_Strict):
     address: str | None = Field(
         None, description="cluster address; None = $RAY_ADDRESS, else a local Ray on this machine"
     )
-    num_cpus: float | None = Field(None, gt=0, description="local Ray only; None = all cores")
+    # A whole number: Ray hands it to the raylet as an int32 flag, and a float (YAML's `8` read
+    # as 8.0 by a float field) made the raylet exit at once, 30 s before ray.init said only
+    # "node timed out during startup" (seen on the H200 box). Actors take fractions below.
+    num_cpus: int | None = Field(None, gt=0, description="local Ray only; None = all cores")
     cpus_per_trainer: float = Field(
         1.0, gt=0, description="fractions let several actors share a small machine"
     )
