@@ -259,12 +259,12 @@ def test_train_refuses_reuse_and_config_changes_and_resumes_cleanly(
     with caplog.at_level(logging.WARNING):
         result = train(_cfg(run, model, "run.steps=3"), resume=True, progress=False)
     assert result.steps == 3
-    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # eval off: no step-0 row
     assert not stale.exists() and "removed 1 stale temporary" in caplog.text
     assert "dropped 1 incomplete line" in caplog.text
     # --overwrite starts over in the same directory
     again = train(_cfg(run, model), overwrite=True, progress=False)
-    assert again.steps == 2 and [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    assert again.steps == 2 and [r["step"] for r in read_metrics(run)] == [1, 2]
     assert latest_checkpoint(run).name == "step_000002"
 
 
