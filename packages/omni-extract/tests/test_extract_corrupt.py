@@ -153,6 +153,37 @@ def test_truncated_shard(tiny_omni_dir, tmp_path):
     _fails(src, tmp_path, CorruptShardError, r"model-00003-of-00003\.safetensors")
 
 
+def test_garbled_header_length_names_the_shard(tiny_omni_dir, tmp_path):
+    """A header length past the end of the file is a corrupt shard, not a MemoryError."""
+    from omni_extract.errors import CorruptShardError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    shard = src / "model-00001-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[:8] = (1 << 40).to_bytes(8, "little")
+    shard.write_bytes(bytes(data))
+    _fails(src, tmp_path, CorruptShardError, r"00001-of-00003\.safetensors.*exceeds the file size")
+
+
+def test_cli_prints_a_multi_line_reason_on_one_line(tiny_omni_dir, tmp_path):
+    """transformers' config validation answers over two lines; the CLI still prints one."""
+    from click.testing import CliRunner
+    from omni_extract.cli import extract_command
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_omni_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["thinker_config"]["audio_token_id"] = "x"
+    (src / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(
+        extract_command, ["--src", str(src), "--dst", str(tmp_path / "o"), "--variant", "vl"]
+    )
+    assert res.exit_code == 1
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "audio_token_id" in lines[0], res.output
+
+
 def test_expected_names_accept_the_flat_thinker_layout_of_older_transformers():
     """transformers 5.17 names the thinker's parts ``audio_tower.*``/``visual.*``/``model.*``."""
     from omni_extract.names import match_in_memory as _match_in_memory

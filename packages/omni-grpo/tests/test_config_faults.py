@@ -182,3 +182,35 @@ def test_every_error_is_one_line_without_traceback(
     assert res.output.count("\n") == 1 and expected in res.output, res.output
     debug = CliRunner().invoke(cli.main, ["--debug", "boom"])
     assert debug.exception is exc  # --debug lets the traceback through
+
+
+# ---------------------------------------------- 15 (re-probed): other secret spellings and places
+@pytest.mark.parametrize(
+    "yaml_text",
+    [
+        # a secret-looking name in camelCase / with dashes / upper case, in a free-form field
+        f"model:\n  make_tiny:\n    sizes:\n      text: {{apiKey: {SECRET}}}\n",
+        f"model:\n  make_tiny:\n    sizes:\n      text: {{hf-token: [{SECRET}]}}\n",
+        f"model:\n  make_tiny:\n    sizes:\n      text: {{HF_TOKEN: {SECRET}}}\n",
+        f"model:\n  make_tiny:\n    sizes:\n      text: {{accessToken: {SECRET}}}\n",
+        # a password in a URL's userinfo, under a key that is not secret-looking
+        f"rollout:\n  sglang:\n    urls: http://user:{SECRET}@host:1\n",
+        f"rollout:\n  sglang:\n    router_url: [https://u:{SECRET}@h]\n",
+    ],
+)
+def test_other_secret_spellings_are_never_echoed(tmp_path: Path, yaml_text: str) -> None:
+    msg = _config_error(tmp_path, yaml_text)
+    assert SECRET not in msg and "invalid config" in msg
+
+
+def test_url_passwords_are_masked_when_the_config_is_shown(tmp_path: Path) -> None:
+    from omni_grpo.config import dump_config
+
+    cfg = load_config(None, [f"rollout.sglang.urls=[http://user:{SECRET}@host:1]"])
+    shown = dump_config(cfg)
+    assert SECRET not in shown and "http://user:<redacted>@host:1" in shown
+
+
+def test_a_key_given_twice_is_refused_not_silently_overwritten(tmp_path: Path) -> None:
+    msg = _config_error(tmp_path, "trainer:\n  lr: 1.0e-4\n  lr: 3.0e-3\n")
+    assert "duplicate key 'lr'" in msg and "line 3" in msg

@@ -65,8 +65,9 @@ def extract_command(
             overwrite=overwrite,
             progress=not quiet,
         )
-    except ExtractError as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+    except ExtractError as exc:  # one line, whatever the reason's own line breaks
+        text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise click.ClickException(f"{type(exc).__name__}: {text}") from exc
     click.echo(
         f"wrote {result.num_tensors} tensors ({result.num_bytes / 1e9:.3f} GB) in "
         f"{len(result.shards)} shard(s) to {result.dst}"

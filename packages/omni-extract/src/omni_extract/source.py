@@ -214,8 +214,11 @@ def _shard_files(root: Path) -> tuple[str, ...]:
 
 def _data_offsets(path: Path) -> dict[str, int]:
     """Absolute data offset of every tensor, from the safetensors header (u64 length + JSON)."""
+    size = path.stat().st_size
     with open(path, "rb") as fh:
         header_len = int.from_bytes(fh.read(8), "little")
+        if header_len > size - 8:  # a garbled length would otherwise be read (MemoryError)
+            raise ValueError(f"header length {header_len} exceeds the file size {size}")
         header = json.loads(fh.read(header_len))
     base = 8 + header_len
     return {k: base + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}

@@ -85,7 +85,12 @@ class EntryPointGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        except click.exceptions.ClickException as exc:  # a plugin's own: one line too
+            from omni_grpo.config import redact
+
+            exc.message = redact(one_line(exc.message))
+            raise
+        except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:
             if ctx.meta.get(DEBUG_KEY):

@@ -63,6 +63,19 @@ DatasetSpec = Annotated[Path | list[Path], BeforeValidator(_non_empty_spec)]
 SECRET_KEY = re.compile(
     r"(?i)(?:^|_)(?:api_?key|key|secret|secrets|password|passwd|pwd|token|auth|credentials?|bearer)$"
 )
+# The password of a URL's userinfo (``http://user:PASSWORD@host``): masked wherever a URL is shown.
+URL_PASSWORD = re.compile(r"(?<=://)([^/@\s:'\"]+):([^/@\s'\"]+)@")
+
+
+def is_secret_key(name: object) -> bool:
+    """``SECRET_KEY`` on the name as snake case: ``apiKey``, ``hf-token`` and ``HF_TOKEN`` count
+    as well as ``admin_api_key``."""
+    text = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", str(name)).replace("-", "_")
+    return bool(SECRET_KEY.search(text))
+
+
+def mask_url_passwords(text: str) -> str:
+    return URL_PASSWORD.sub(r"\1:<redacted>@", text)
 
 
 def _registered(group: str, name: str, kind: str) -> str:
@@ -588,7 +601,7 @@ def _secret_values(raw: Any, secret: bool = False) -> Iterator[str]:
     text: what an error message must never contain, wherever the key was (mis)placed."""
     if isinstance(raw, dict):
         for key, value in raw.items():
-            yield from _secret_values(value, secret or bool(SECRET_KEY.search(str(key))))
+            yield from _secret_values(value, secret or is_secret_key(key))
     elif isinstance(raw, list | tuple):
         for value in raw:
             yield from _secret_values(value, secret)
@@ -605,11 +618,11 @@ def redact(text: str, raw: Any = None) -> str:
     for value in sorted(secrets, key=len, reverse=True):
         text = text.replace(value, "<redacted>")
         text = text.replace(repr(value), "'<redacted>'")
-    return text
+    return mask_url_passwords(text)
 
 
 def _looks_secret(loc: tuple[Any, ...], value: Any) -> bool:
-    if any(SECRET_KEY.search(str(part)) for part in loc):
+    if any(is_secret_key(part) for part in loc):
         return True
     return any(True for _ in _secret_values(value, False)) or isinstance(value, dict | list)
 
@@ -752,6 +765,22 @@ def build_config(cfg_dict: dict[str, Any], source: str | None = None) -> OmniGRP
         raise ConfigError(format_validation_error(err, source, cfg_dict)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``SafeLoader`` that refuses a key given twice in one mapping: YAML keeps the last value
+    silently, so the first one (e.g. an edited ``lr``) would be ignored without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(file: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The mapping in ``file`` with its relative paths resolved against its own directory.
 
@@ -762,7 +791,7 @@ def _read_yaml(file: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"config file not found: {file}")
     try:
-        loaded = yaml.safe_load(file.read_text())
+        loaded = yaml.load(file.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         # Only the problem and its position: YAML's own message quotes the offending line,
         # which may be the one holding the admin key.
@@ -866,4 +895,4 @@ def check_paths(cfg: OmniGRPOConfig) -> None:
 
 def dump_config(cfg: OmniGRPOConfig) -> str:
     """YAML of the full resolved tree (secrets masked), for saving next to a run."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return mask_url_passwords(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
