@@ -2,17 +2,27 @@
 
 Runs ``omni-grpo train --config examples/tiny.yaml --set run.seed=S`` (the tiny model and the
 synthetic data follow the run seed) for each seed x ``OMNI_GRPO_TORCH_THREADS`` value, one run at
-a time, and prints one JSON object: per run the final held-out accuracy per modality, the lowest
-held-out accuracy a modality had after it first reached 0.9 (a collapse after learning shows
-here even when the run ends well), the wall time and the CPU time of the run's process.
+a time, and prints one JSON object: per run the final held-out accuracy per modality, every
+post-learning collapse found in its ``metrics.jsonl`` (``collapses``, below), pass/fail, the wall
+and CPU time of the run's process and both as a ratio to the baseline; per thread count the
+pass count (``5/5``) and the ratio of the mean times.
 
-The baseline is today's demo before issue 16 (``BASELINE_OVERRIDES`` on the same config: no KL
-anchor, 200 steps, evaluation every 25, model and data seeds pinned to 0), run in the same
-invocation with the same thread counts, interleaved with the recipe runs so both see the same
-machine load. Wall time on a shared 2-core box moves with other people's load, so the CPU time
-of the child (user + sys, from ``wait4``) is reported next to it; the ratios are recipe / baseline.
+A collapse, per modality, after its first held-out evaluation at >= 0.9 (``TARGET``): a later
+evaluation below 0.9; a stretch where the mean training reward of its last ``WINDOW`` logged
+steps falls below the midpoint between chance (1 / #choices of its held-out rows) and 0.9 — a
+dip between two evaluations; or ``no_signal_steps/<m>`` reaching the run's
+``run.collapse_warn_steps`` (the trainer's own collapse warning). A run passes when every
+modality ends at >= 0.9 and none collapsed.
 
-    uv run python benchmarks/demo_seeds.py [--seeds 0-4] [--threads 1,2] [--baseline-seeds 0]
+The baseline (``--baseline``, ``BASELINES``: overrides of the same config) runs in the same
+invocation with the same thread counts, each baseline run right after the recipe run of its seed
+and thread count so that load drifts hit both: ``main`` (default) is the demo recipe as it was on
+main before the exact KL (``kl_type k3``, the same 160 steps); ``issue16`` is the demo the issue
+was filed against (no KL anchor, 200 steps, evaluation every 25, seeds pinned to 0). Wall time
+on a shared 2-core box moves with other people's load, so the CPU time of the child (user + sys,
+from ``wait4``) is reported next to it.
+
+    uv run python benchmarks/demo_seeds.py [--seeds 0-4] [--threads 1,2] [--baseline main]
 
 Not a test: it takes minutes per run. ``--work DIR`` keeps the run directories.
 """
@@ -31,20 +41,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 MODALITIES = ("image", "audio", "video")
 TARGET = 0.9
 
-# Today's demo (main at 46b1011, before issue 16) as overrides of the current examples/tiny.yaml:
-# no KL anchor, 200 steps, evaluation every 25, the tiny model and data pinned to seed 0.
-BASELINE_OVERRIDES: tuple[str, ...] = (
-    "algo.kl_coef=0.0",
-    "algo.kl_type=k1",
-    "run.steps=200",
-    "eval.every=25",
-    "model.make_tiny.seed=0",
-    "data.synthetic.seed=0",
-)
+WINDOW = 5  # training-reward steps averaged by the between-evaluations collapse check
+
+# The baselines as overrides of the current examples/tiny.yaml.
+BASELINES: dict[str, tuple[str, ...]] = {
+    # the recipe on main at 9d8faeb: the sampled k3 estimator instead of the exact KL
+    "main": ("algo.kl_type=k3",),
+    # the demo issue 16 was filed against (main at 46b1011): no KL anchor, 200 steps, evaluation
+    # every 25, the tiny model and data pinned to seed 0
+    "issue16": (
+        "algo.kl_coef=0.0",
+        "algo.kl_type=k1",
+        "run.steps=200",
+        "eval.every=25",
+        "model.make_tiny.seed=0",
+        "data.synthetic.seed=0",
+    ),
+}
 
 
 def parse_ints(text: str) -> list[int]:
@@ -56,10 +75,13 @@ def parse_ints(text: str) -> list[int]:
     return out
 
 
-def eval_history(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def eval_history(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     history: dict[str, list[tuple[int, float]]] = {m: [] for m in MODALITIES}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         for m in MODALITIES:
             value = record.get(f"eval/accuracy/{m}")
             if value is not None:
@@ -67,12 +89,65 @@ def eval_history(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return history
 
 
-def after_learned(points: list[tuple[int, float]]) -> float | None:
-    """Lowest accuracy from the first evaluation at >= TARGET on (None: never reached it)."""
-    for i, (_, value) in enumerate(points):
-        if value >= TARGET:
-            return min(v for _, v in points[i:])
-    return None
+def chance_levels(run_dir: Path) -> dict[str, float]:
+    """Per modality, the mean of 1 / #choices over the run's held-out rows."""
+    inverse: dict[str, list[float]] = {m: [] for m in MODALITIES}
+    for line in (run_dir / "data" / "eval.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("modality") in inverse and row.get("choices"):
+            inverse[row["modality"]].append(1.0 / len(row["choices"]))
+    return {m: statistics.mean(v) for m, v in inverse.items() if v}
+
+
+def warn_steps(run_dir: Path) -> int:
+    """The run's ``run.collapse_warn_steps`` (0: the trainer's warning is off)."""
+    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return int(stored.get("run", {}).get("collapse_warn_steps", 0))
+
+
+def collapses(
+    records: list[dict[str, Any]], chance: dict[str, float], warn_after: int
+) -> list[dict[str, Any]]:
+    """Every post-learning collapse of the run (see the module docstring), first step of each
+    stretch with its worst value."""
+    events: list[dict[str, Any]] = []
+    history = eval_history(records)
+    for m in MODALITIES:
+        learned = next((step for step, v in history[m] if v >= TARGET), None)
+        if learned is None:
+            continue
+        for step, v in history[m]:
+            if step > learned and v < TARGET:
+                events.append({"modality": m, "kind": "eval", "step": step, "value": v})
+        floor = (chance.get(m, 0.5) + TARGET) / 2
+        window: list[float] = []
+        open_event: dict[str, Any] | None = None
+        for record in records:
+            reward = record.get(f"reward/{m}")
+            if reward is None or record["step"] <= learned:
+                continue
+            window = [*window, float(reward)][-WINDOW:]
+            mean = statistics.mean(window)
+            if len(window) < WINDOW or mean >= floor:
+                open_event = None
+                continue
+            if open_event is None:
+                open_event = {"modality": m, "kind": "train_reward", "step": record["step"]}
+                open_event["value"] = round(mean, 3)
+                events.append(open_event)
+            open_event["value"] = min(open_event["value"], round(mean, 3))
+        if warn_after:
+            first = next(
+                (
+                    r["step"]
+                    for r in records
+                    if r["step"] > learned and r.get(f"no_signal_steps/{m}", 0) >= warn_after
+                ),
+                None,
+            )
+            if first is not None:
+                events.append({"modality": m, "kind": "no_signal", "step": first})
+    return events
 
 
 def run_one(
@@ -121,11 +196,15 @@ def run_one(
     if code != 0:
         out["error"] = (work / f"{name}.log").read_text().strip().splitlines()[-1:]
         return out
-    history = eval_history(run_dir)
+    records = read_records(run_dir)
+    history = eval_history(records)
     out["final"] = {m: history[m][-1][1] for m in MODALITIES if history[m]}
-    out["min_after_learned"] = {m: after_learned(history[m]) for m in MODALITIES}
-    out["pass"] = all(out["final"].get(m, 0.0) >= TARGET for m in MODALITIES) and all(
-        v is not None and v >= TARGET for v in out["min_after_learned"].values()
+    out["learned_at"] = {
+        m: next((step for step, v in history[m] if v >= TARGET), None) for m in MODALITIES
+    }
+    out["collapses"] = collapses(records, chance_levels(run_dir), warn_steps(run_dir))
+    out["pass"] = (
+        all(out["final"].get(m, 0.0) >= TARGET for m in MODALITIES) and not out["collapses"]
     )
     return out
 
@@ -140,6 +219,7 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=REPO / "examples" / "tiny.yaml")
     ap.add_argument("--seeds", default="0-4")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--baseline", choices=sorted(BASELINES), default="main")
     ap.add_argument("--baseline-seeds", default="0", help="'' skips the baseline runs")
     ap.add_argument("--baseline-threads", default="1,2")
     ap.add_argument("--work", type=Path, default=None, help="keep the run directories here")
@@ -165,7 +245,7 @@ def main() -> None:
     interrupted = False
     try:
         for kind, s, t in order:
-            extra = BASELINE_OVERRIDES if kind == "baseline" else ()
+            extra = BASELINES[args.baseline] if kind == "baseline" else ()
             r = run_one(args.config, work, f"{kind}_s{s}_t{t}", s, t, extra)
             runs[kind].append(r)
             print(json.dumps({kind: r}), file=sys.stderr, flush=True)
@@ -188,6 +268,11 @@ def main() -> None:
         for key in ("wall_s", "cpu_s"):
             a, b = entry[f"recipe_{key}_mean"], entry[f"baseline_{key}_mean"]
             entry[f"{key}_ratio"] = round(a / b, 3) if a and b else None
+            for r in recipe:  # each seed's run against the baseline mean of its thread count
+                if b and r.get("exit_code") == 0:
+                    r[f"{key}_ratio"] = round(r[key] / b, 3)
+        ratios = [r["wall_s_ratio"] for r in recipe if "wall_s_ratio" in r]
+        entry["wall_s_ratio_max"] = max(ratios) if ratios else None
         by_threads[str(t)] = entry
     print(
         json.dumps(
@@ -196,10 +281,16 @@ def main() -> None:
                 "config": str(args.config),
                 "cpus": os.cpu_count(),
                 "target": TARGET,
-                "baseline_overrides": list(BASELINE_OVERRIDES),
+                "baseline": args.baseline,
+                "baseline_overrides": list(BASELINES[args.baseline]),
                 "interrupted": interrupted,
                 "planned_runs": len(order),
-                "all_pass": all(r.get("pass") for r in runs["recipe"]),
+                "all_pass": bool(runs["recipe"]) and all(r.get("pass") for r in runs["recipe"]),
+                "collapses": [
+                    {"seed": r["seed"], "threads": r["threads"], **c}
+                    for r in runs["recipe"]
+                    for c in r.get("collapses", [])
+                ],
                 "by_threads": by_threads,
                 "runs": runs,
             }
