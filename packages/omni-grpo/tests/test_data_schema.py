@@ -92,6 +92,12 @@ BAD_ROWS: list[tuple[object, str]] = [
     ({**GOOD, "choices": []}, "bad_label"),
     ({**GOOD, "labels": "A"}, "invalid"),
     ({**GOOD, "id": "dup"}, "duplicate_id"),
+    # re-probed (issue 15, item 8/9): other bad rows
+    ({**GOOD, "choices": ["x", " x"]}, "bad_label"),  # two letters, one answer
+    ({**GOOD, "reward": "no-such-reward"}, "unknown_reward"),  # would end the run when drawn
+    ('{"id": "n", "prompt": "<image> q", "label": NaN, "media": []}', "bad_label"),
+    ({**GOOD, "id": float("inf")}, "invalid"),
+    ("[" * 50_000 + "]" * 50_000, "bad_json"),  # nested past the decoder's stack
 ]
 
 

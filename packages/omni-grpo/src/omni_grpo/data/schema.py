@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -92,6 +93,12 @@ class DatasetRow(BaseModel):
             for key in ("id", "uid", "label"):
                 value = data.get(key)
                 if isinstance(value, int | float) and not isinstance(value, bool):
+                    if not math.isfinite(value):  # NaN / inf from a table: no answer, no id
+                        raise PydanticCustomError(
+                            "bad_label" if key == "label" else "invalid",
+                            "{key} is {value}, not a value",
+                            {"key": key, "value": str(value)},
+                        )
                     data = {**data, key: str(value)}
         return data
 
@@ -141,6 +148,10 @@ def check_label(label: str, choices: list[str] | None, reward: str | None) -> No
         return
     if not choices:
         raise PydanticCustomError("bad_label", "choices is an empty list (omit it instead)")
+    texts = [c.strip() for c in choices]
+    if len(set(texts)) != len(texts):  # two letters for one answer: neither can be told apart
+        dup = next(t for t in texts if texts.count(t) > 1)
+        raise PydanticCustomError("bad_label", "choices repeat {dup}", {"dup": repr(dup)})
     letters = LETTERS[: len(choices)]
     if label.strip().strip("()").upper() in letters:
         return

@@ -106,6 +106,11 @@ def jsonl_records(path: Path) -> Iterator[RawRecord]:
                     ),
                 )
                 continue
+            except RecursionError:  # nesting deeper than the decoder's stack
+                yield RawRecord(
+                    where, lineno - 1, problem=("bad_json", f"{where}: JSON nested too deeply")
+                )
+                continue
             if not isinstance(obj, dict):
                 yield RawRecord(
                     where,
@@ -146,6 +151,8 @@ class JsonListSource(JsonlSource):
             raise DataError(
                 f"{self.path}: not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})"
             ) from None
+        except RecursionError:
+            raise DataError(f"{self.path}: JSON nested too deeply") from None
         if not isinstance(data, list):
             raise DataError(f"{self.path}: expected a JSON list of rows, got {type(data).__name__}")
         for i, obj in enumerate(data):
@@ -579,7 +586,16 @@ def load_rows(
 ) -> LoadedRows:
     """Read and validate every row of ``spec`` (see the module docstring); media not decoded.
     ``strict``: the first bad row raises its DataError instead of being skipped."""
+    from omni_grpo.rewards import available_rewards
+
     columns = dict(columns or {})
+    known: list[frozenset[str]] = []
+
+    def rewards_known() -> frozenset[str]:  # read once, and only if a row names a reward
+        if not known:
+            known.append(frozenset(available_rewards()))
+        return known[0]
+
     samples: list[Sample] = []
     skipped: Counter[str] = Counter()
     seen: dict[str, str] = {}
@@ -597,6 +613,14 @@ def load_rows(
                 row = parse_row(obj, rec.where)
             except DataError as err:
                 tally.skip(err.reason, str(err))
+                continue
+            if row.reward is not None and row.reward not in rewards_known():
+                # Else the first draw of this row would end the run with UnknownPluginError.
+                tally.skip(
+                    "unknown_reward",
+                    f"{rec.where}: reward {row.reward!r} is not a registered reward "
+                    f"(known: {', '.join(sorted(rewards_known()))})",
+                )
                 continue
             if row.id in seen:
                 tally.skip(
