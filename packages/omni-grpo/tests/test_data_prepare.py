@@ -343,3 +343,38 @@ def test_cli_parquet_embeds_media(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["prepare-data", "parquet", str(src), str(out)])
     assert res.exit_code == 1 and "outside the dataset root" in res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"audio_path": "wav/a.wav\x00"}, "bad_path"),  # was: the whole conversion failed
+        ({"id": {"x": 1}}, "bad_id"),  # never an id like "avqa-{'x': 1}"
+        ({"id": [1]}, "bad_id"),
+        ({"id": True}, "bad_id"),
+        ({"question_text": ["what?"]}, "bad_field"),  # never "['what?']" in the prompt
+        ({"question_text": "   "}, "bad_field"),
+        ({"audio_path": ["wav/a.wav"]}, "bad_field"),
+        ({"multi_choice": [None, "cat", "dog", "cow"]}, "bad_choices"),  # never "A. None"
+        ({"multi_choice": ["", "cat", "dog", "cow"]}, "bad_choices"),
+        ({"multi_choice": ["cat", "cat", "dog", "cow"]}, "bad_label"),  # two letters, one answer
+    ],
+)
+def test_avqa_other_bad_records_are_dropped_and_counted(
+    tmp_path: Path, change: dict, reason: str
+) -> None:
+    other = {**AVQA[1], "id": 999}
+    src = _avqa_file(tmp_path, [{**AVQA[0], **change}, other])
+    stats = prepare_avqa(src, tmp_path / "o.jsonl", check_media=False)
+    assert stats == {"kept": 1, "written": 1, f"dropped_{reason}": 1}
+
+
+def test_video_r1_non_text_fields_are_dropped_not_a_crash(
+    video_r1_src: Path, tmp_path: Path
+) -> None:
+    records = json.loads(video_r1_src.read_text())
+    records[0] = {**records[0], "data_type": ["video"]}  # was: unhashable type 'list'
+    src = tmp_path / "v.json"
+    src.write_text(json.dumps(records))
+    stats = prepare_video_r1(src, tmp_path / "o.jsonl", check_media=False)
+    assert stats["dropped_bad_field"] == 1 and stats["written"] >= 1

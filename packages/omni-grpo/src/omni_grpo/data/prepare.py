@@ -47,7 +47,12 @@ def _relative_media(path: str, root: Path, where: str) -> str:
     outside the root (``..``, an absolute path elsewhere, a symlink out), whether or not the
     file exists: such a row could never load."""
     base = root.resolve()
-    target = (base / path).resolve()
+    try:
+        target = (base / path).resolve()
+    except (ValueError, OSError) as err:  # a NUL byte, a symlink loop: no file could be read
+        raise DataError(
+            f"{where}: media path {path!r} is not a usable path ({err})", "bad_path"
+        ) from None
     if not target.is_relative_to(base):
         raise DataError(f"{where}: media path {path!r} is outside the root {base}", "outside_root")
     return target.relative_to(base).as_posix()
@@ -64,9 +69,27 @@ def _required(rec: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
         raise DataError(f"{where}: missing field(s) {missing}", "missing_field")
 
 
+def _texts(rec: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """Fields that must be non-blank strings: a list, a number or spaces would be written into
+    the prompt as their ``str()`` (``['a']``) or used as a dict key (a crash)."""
+    bad = [k for k in keys if not isinstance(rec.get(k), str) or not rec[k].strip()]
+    if bad:
+        shown = {k: rec.get(k) for k in bad}
+        raise DataError(f"{where}: expected non-blank text for {shown}", "bad_field")
+
+
+def _scalar_id(value: Any, where: str) -> str:
+    """A source id as text: a string or a number (``1`` -> ``"1"``); a list, mapping or boolean
+    would make an id like ``avqa-{'a': 1}`` that no one can look up."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise DataError(f"{where}: id {value!r} is not a string or a number", "bad_id")
+    return str(value)
+
+
 def _choice_list(value: Any, where: str) -> list[str]:
     """A list of option strings; a string is parsed as a JSON or Python list literal (some dumps
     store ``"['a', 'b']"``), never split into characters."""
+    original = value
     if isinstance(value, str):
         parsed: Any = None
         for parse in (json.loads, ast.literal_eval):
@@ -77,7 +100,10 @@ def _choice_list(value: Any, where: str) -> list[str]:
                 continue
         value = parsed
     if not isinstance(value, list | tuple) or not value:
-        raise DataError(f"{where}: choices are not a non-empty list: {value!r}", "bad_choices")
+        raise DataError(f"{where}: choices are not a non-empty list: {original!r}", "bad_choices")
+    blank = [c for c in value if not isinstance(c, str | int | float) or not str(c).strip()]
+    if blank:  # a None or "" option would be shown as "A. None" / "A. "
+        raise DataError(f"{where}: choices hold blank options {blank!r}", "bad_choices")
     return [str(c) for c in value]
 
 
@@ -149,6 +175,7 @@ def avqa_rows(
     def to_row(n: int, rec: dict[str, Any]) -> DatasetRow | None:
         where = f"AVQA record {n} (id {rec.get('id')!r})"
         _required(rec, ("id", "question_text", "multi_choice", "answer", "audio_path"), where)
+        _texts(rec, ("question_text", "audio_path"), where)
         choices = _choice_list(rec["multi_choice"], where)
         answer = rec["answer"]
         if (
@@ -181,7 +208,7 @@ def avqa_rows(
         meta.update(choices=choices, answer_text=choices[answer], source="avqa")
         return parse_row(
             {
-                "id": f"avqa-{rec['id']}",
+                "id": f"avqa-{_scalar_id(rec['id'], where)}",
                 "prompt": prompt,
                 "label": LETTERS[answer],
                 "media": [{"type": "audio", "path": rel}],
@@ -299,6 +326,7 @@ def video_r1_rows(
         _required(
             rec, ("problem_id", "problem", "data_type", "problem_type", "solution", "path"), where
         )
+        _texts(rec, ("problem", "data_type", "problem_type", "solution", "path"), where)
         kind, ptype = rec["data_type"], rec["problem_type"]
         if kind not in data_types:
             stats[f"dropped_data_type_{kind}"] += 1
@@ -332,7 +360,7 @@ def video_r1_rows(
         prompt = f"<{kind}>\n{question}\n{VIDEO_R1_TYPE_INSTRUCTION[ptype]}"
         return parse_row(
             {
-                "id": f"video-r1-{rec['problem_id']}",
+                "id": f"video-r1-{_scalar_id(rec['problem_id'], where)}",
                 "prompt": prompt,
                 "label": m.group(1),
                 "media": [{"type": kind, "path": rel}],
