@@ -1,28 +1,30 @@
 """Throughput of rollouts overlapped with training (``rollout.max_staleness: 1``) as a ratio to the
-on-policy loop (``max_staleness: 0``), both run by ``omni_grpo.trainer.train`` in this process, one
-after the other, on the same recipe (``examples/tiny.yaml``: tiny Qwen3-Omni thinker, image /
-audio / video tasks, torch backend on the CPU).
+on-policy loop (``max_staleness: 0``), for BOTH engines in one run, each pair run by
+``omni_grpo.trainer.train`` in this process one after the other on the same recipe
+(``examples/tiny.yaml``: tiny Qwen3-Omni thinker, image / audio / video tasks, torch backend on
+the CPU).
 
 * ``sglang``: the sglang-omni engine against the project's fake server in its own process
-  (``omni_grpo.testing.fake_server``: ``FakeOmniServer``, real HTTP, the 0.1.9 contract: pause
-  with ``retract``, disk weight updates, weight versions), answering letters. Its per-token delay
-  is CHOSEN so that the server's generation of one batch takes as long as one training step (a
-  calibration run measures the train time); the client's and the fake's own CPU work per batch
-  (payload encoding, HTTP, decoding: ``rollout_fixed_s``) comes on top and, on a small machine,
-  competes with training for the same cores. Rollout >= train is the case the issue asks about
-  (verl-omni's Qwen3-Omni recipe: rollout ~75 % of a step); the ideal ratio is then
-  (rollout + train) / max(rollout, train) <= 2x, less the weight sync (the servers pause for it)
-  and the first step, which no run can overlap.
-* ``ray`` (``--ray``): the embedded rollout actors of ``examples/tiny-ray.yaml`` (2 trainer ranks,
-  2 rollout actors). Here rollout and training are both CPU work, and on a 2-core machine they
-  compete for the same cores, so the ratio says what overlap buys when the hardware is shared;
-  with rollout actors on their own GPUs it is the sglang case.
+  (``omni_grpo.testing.fake_server``: real HTTP, the 0.1.9 contract: pause with ``retract``,
+  disk weight updates, weight versions), answering letters. A calibration run measures the train
+  step and the rollout's fixed cost (prompt loading, payload, HTTP, decoding); the per-token delay
+  is then CHOSEN so that the whole on-policy rollout (fixed cost + generation) takes as long as
+  one train step, the case the issue asks about. The ideal ratio is then
+  (rollout + train + sync) / (max(rollout, train) + sync) < 2x, and the first step, which no run
+  can overlap, is in ``ratio`` but not in ``steady_ratio``.
+* ``ray``: the embedded rollout actors of ``examples/tiny-ray.yaml``, by default with ONE trainer
+  rank and ONE rollout actor (``--ray-trainers`` / ``--ray-actors``). Rollout and training are
+  both CPU work here; with one core per role (this box has two) overlap can use the core the
+  on-policy loop leaves idle, the way rollout actors on their own GPUs would. With more
+  processes than cores (the example's 2 + 2 on 2 cores) there is no idle core and nothing to win.
+  Their rollout time is what the recipe gives (no delay to choose); both phases are printed.
 
-samples/s = samples trained / sum of ``time/step_s`` over the steps (data, rollout wait, train,
-weight sync, metrics; no start-up, no evaluation); ``steady`` leaves out step 1, which no run
-can overlap. One JSON object.
+Per engine and mode: samples/s = samples trained / sum of ``time/step_s`` (data, rollout wait,
+train, weight sync, metrics; no start-up, no evaluation), ``steady`` leaves out step 1, and
+``phases_s`` the mean step, rollout wait, train and weight-sync seconds: in mode 0 the rollout is
+the whole rollout, in mode 1 the part the overlap did not hide. One JSON object.
 
-    uv run python benchmarks/overlap.py [--steps 8] [--ray] [--work DIR]
+    uv run python benchmarks/overlap.py [--steps 12] [--no-ray] [--work DIR]
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def config(config: str, run_dir: Path, model_dir: Path, steps: int, extra: list[
     )
 
 
+PHASES = {  # metrics.jsonl key -> name in the output
+    "time/step_s": "step",
+    "time/rollout_s": "rollout",
+    "time/train_s": "train",
+    "weight_sync/seconds": "sync",
+}
+EXTRA = ("staleness/mean", "train_rollout_logprob_abs_diff")
+
+
 def run(cfg: Any) -> dict[str, Any]:
     from omni_grpo.trainer import train
 
@@ -79,22 +90,14 @@ def run(cfg: Any) -> dict[str, Any]:
     def rate(rows: list[dict]) -> float:
         return round(samples * len(rows) / sum(r["time/step_s"] for r in rows), 3)
 
-    mean = {
-        k: round(float(np.mean([r[k] for r in steps if k in r])), 4)
-        for k in (
-            "time/step_s",
-            "time/rollout_s",
-            "time/train_s",
-            "weight_sync/seconds",
-            "staleness/mean",
-            "train_rollout_logprob_abs_diff",
-        )
-        if any(k in r for r in steps)
-    }
+    def mean(rows: list[dict], key: str) -> float:
+        return round(float(np.mean([r[key] for r in rows if key in r])), 4)
+
     return {
         "samples_per_s": rate(steps),
         "steady_samples_per_s": rate(steps[1:]),
-        "mean_per_step": mean,
+        "phases_s": {name: mean(steps[1:], k) for k, name in PHASES.items()},
+        **{k: mean(steps, k) for k in EXTRA if any(k in r for r in steps)},
     }
 
 
@@ -139,18 +142,20 @@ def sglang_pair(work: Path, steps: int) -> dict[str, Any]:
                 proc.wait(60)
 
     prepare_model(cfg("prep", "http://unused", 0, 1).model, work / "prep")
-    probe_delay = 0.02
+    probe_delay = 0.01
     with serve(probe_delay) as url:
-        probe = run(cfg("calibrate", url, 0, 3))
-    train_s = probe["mean_per_step"]["time/train_s"]
-    fixed_s = max(0.0, probe["mean_per_step"]["time/rollout_s"] - TOKENS_PER_SAMPLE * probe_delay)
-    # The server's generation time (the delay) equals the train step; the client's and the fake's
-    # own CPU work per batch (payload encoding, HTTP, decoding: ``rollout_fixed_s``) comes on top.
-    delay = train_s / TOKENS_PER_SAMPLE
+        probe = run(cfg("calibrate", url, 0, 4))
+    train_s = probe["phases_s"]["train"]
+    fixed_s = max(0.0, probe["phases_s"]["rollout"] - TOKENS_PER_SAMPLE * probe_delay)
+    # rollout (fixed cost + TOKENS_PER_SAMPLE delays: the fake's samples run concurrently) = train
+    delay = max(0.0, train_s - fixed_s) / TOKENS_PER_SAMPLE
     out: dict[str, Any] = {
         "token_delay_s": round(delay, 4),
-        "rollout_fixed_s": round(fixed_s, 3),
-        "calibration": probe,
+        "calibration": {
+            "train_s": train_s,
+            "rollout_fixed_s": round(fixed_s, 4),
+            "fixed_exceeds_train": fixed_s > train_s,
+        },
     }
     for staleness in (0, 1):
         with serve(delay) as url:
@@ -160,8 +165,8 @@ def sglang_pair(work: Path, steps: int) -> dict[str, Any]:
     return out
 
 
-def ray_pair(work: Path, steps: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def ray_pair(work: Path, steps: int, trainers: int, actors: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"trainer_ranks": trainers, "rollout_actors": actors}
     for staleness in (0, 1):
         out[f"max_staleness_{staleness}"] = run(
             config(
@@ -169,7 +174,11 @@ def ray_pair(work: Path, steps: int) -> dict[str, Any]:
                 work / f"ray-{staleness}",
                 work / "model",
                 steps,
-                [f"rollout.max_staleness={staleness}"],
+                [
+                    f"rollout.max_staleness={staleness}",
+                    f"trainer.world_size={trainers}",
+                    f"rollout.embedded.actors={actors}",
+                ],
             )
         )
     return out
@@ -177,34 +186,49 @@ def ray_pair(work: Path, steps: int) -> dict[str, Any]:
 
 def ratios(pair: dict[str, Any]) -> dict[str, float]:
     zero, one = pair["max_staleness_0"], pair["max_staleness_1"]
+    on_policy = zero["phases_s"]
     return {
         "ratio": round(one["samples_per_s"] / zero["samples_per_s"], 3),
         "steady_ratio": round(one["steady_samples_per_s"] / zero["steady_samples_per_s"], 3),
+        # what the reader checks: on-policy rollout vs train, and the ratio if the shorter of
+        # the two were hidden completely (nothing else in the step changes)
+        "rollout_over_train": round(on_policy["rollout"] / on_policy["train"], 3),
+        "ideal_steady_ratio": round(
+            on_policy["step"] / (on_policy["step"] - min(on_policy["rollout"], on_policy["train"])),
+            3,
+        ),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--ray", action="store_true", help="also the embedded rollout actors")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--no-ray", action="store_true", help="skip the embedded rollout actors")
+    parser.add_argument("--ray-trainers", type=int, default=1)
+    parser.add_argument("--ray-actors", type=int, default=1)
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     os.environ.setdefault("OMNI_GRPO_TORCH_THREADS", "1")
     work = args.work or Path(tempfile.mkdtemp(prefix="overlap-bench-"))
     t0 = time.perf_counter()
+    load_before = [round(x, 2) for x in os.getloadavg()]
     result: dict[str, Any] = {"benchmark": "overlap", "steps": args.steps}
     sglang = sglang_pair(work, args.steps)
     result["sglang"] = {**ratios(sglang), **sglang}
-    if args.ray:
-        ray = ray_pair(work, args.steps)
+    if not args.no_ray:
+        ray = ray_pair(work, args.steps, args.ray_trainers, args.ray_actors)
         result["ray"] = {**ratios(ray), **ray}
     result.update(
         ratio=result["sglang"]["ratio"],
+        steady_ratio=result["sglang"]["steady_ratio"],
+        ray_ratio=result["ray"]["ratio"] if "ray" in result else None,
+        ray_steady_ratio=result["ray"]["steady_ratio"] if "ray" in result else None,
         target_ratio=1.6,
         limit_ratio=2.0,
         wall_s=round(time.perf_counter() - t0, 1),
         cpus=os.cpu_count(),
-        load_avg=[round(x, 2) for x in os.getloadavg()],
+        load_avg_before=load_before,
+        load_avg_after=[round(x, 2) for x in os.getloadavg()],
         torch_threads=int(os.environ["OMNI_GRPO_TORCH_THREADS"]),
     )
     print(json.dumps(result))

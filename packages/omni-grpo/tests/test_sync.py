@@ -17,7 +17,7 @@ from omni_extract.errors import UnmappedTensorError
 from omni_grpo.aio import BackgroundLoop
 from omni_grpo.config import SglangOmniConfig
 from omni_grpo.sync import SkipWeightSync, WeightSync, WeightSyncError, make_weight_sync
-from omni_grpo.sync.buckets import buckets
+from omni_grpo.sync.buckets import buckets, dtype_runs, flatten, unflatten
 from omni_grpo.sync.disk_writer import INDEX_NAME, MANIFEST_NAME
 from omni_grpo.testing.sync import expected_server_tensors, read_hub_tensors
 from omni_rollout_client.client import OmniRolloutClient
@@ -83,6 +83,30 @@ def test_buckets_bound_size_and_mark_last() -> None:
     assert [b.names for b in out] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
     assert [b.last for b in out] == [False, False, True]
     assert out[1].dtypes == ["float32"] and out[1].shapes == [[30]]
+
+
+def test_a_bucket_travels_as_one_flat_tensor_per_dtype_and_comes_back_bit_exact() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 4, generator=g),
+        torch.randn(2, generator=g).to(torch.bfloat16),
+        torch.randn(5, 1, 2, generator=g),
+        torch.arange(6).reshape(2, 3),
+        torch.randn(0, 4, generator=g),
+        torch.randn(7, generator=g).to(torch.bfloat16),
+    ]
+    bucket = next(buckets(((f"t{i}", t) for i, t in enumerate(tensors)), 1 << 20))
+    runs = dtype_runs(bucket.dtypes)
+    assert runs == [("float32", [0, 2, 4]), ("bfloat16", [1, 5]), ("int64", [3])]
+    back: dict[int, torch.Tensor] = {}
+    for dtype, idx in runs:
+        flat = flatten(bucket.tensors, idx).clone()  # what the receiver's buffer holds
+        assert flat.dim() == 1 and str(flat.dtype) == f"torch.{dtype}"
+        back.update(zip(idx, unflatten(flat, [bucket.shapes[i] for i in idx]), strict=True))
+    for i, t in enumerate(tensors):
+        assert back[i].dtype == t.dtype and torch.equal(back[i], t), i
+    with pytest.raises(ValueError, match="elements"):
+        unflatten(torch.zeros(5), [[2], [2]])
 
 
 def test_disk_sync_writes_server_names_bit_exact_and_updates(

@@ -21,6 +21,7 @@ dies, the driver quotes the end of that file in its one-line error.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -292,20 +293,25 @@ class RolloutActor:
     def receive_bucket(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: str | None
     ) -> int:
-        """Receive one bucket's broadcasts (from group rank 0, in ``names`` order) into the policy."""
+        """Receive one bucket (one flat broadcast per dtype from group rank 0, ``dtype_runs``)
+        into the policy."""
         import torch
 
+        from omni_grpo.sync.buckets import dtype_runs, unflatten
+
         unknown = [n for n in names if n not in self.params]
-        received = []
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        received: list[tuple[str, Any]] = []
+        for dtype, idx in dtype_runs(dtypes):
             dev = (
                 "cpu"
                 if self.group.backend == "gloo"
-                else self.params.get(name, torch.empty(0)).device
+                else self.params.get(names[idx[0]], torch.empty(0)).device
             )
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
-            self.group.broadcast(t, src=0).wait()
-            received.append((name, t))
+            numel = sum(math.prod(shapes[i]) for i in idx)
+            flat = torch.empty(numel, dtype=getattr(torch, dtype), device=dev)
+            self.group.broadcast(flat, src=0).wait()
+            views = unflatten(flat, [shapes[i] for i in idx])
+            received.extend((names[i], t) for i, t in zip(idx, views, strict=True))
         if unknown:  # after receiving, so the sender's collectives complete either way
             raise KeyError(f"rollout actor {self.index}: weights not in the policy: {unknown[:5]}")
         with torch.no_grad():

@@ -12,8 +12,8 @@ on which actor finishes first, and a resumed run samples what the uninterrupted 
 * a weight-update group whose rendezvous store the driver hosts (``sync.group.host_store`` /
   ``build_group``, kept apart from any default process group), joined by actor ``i`` at rank
   ``1 + i``;
-* size-bounded buckets (``sync.buckets``) sent by one broadcast per tensor from rank 0, in
-  ``names`` order;
+* size-bounded buckets (``sync.buckets``) sent from rank 0 as one flat broadcast per dtype
+  (``dtype_runs``; a server needs one per tensor, these actors do not);
 * the version set with the last bucket only.
 
 Unlike a sglang-omni server, a rollout actor holds the same module class as the trainer. So
@@ -34,7 +34,7 @@ import torch
 
 from omni_grpo.ray.errors import ActorFailure
 from omni_grpo.sync.base import NamedTensors, SourceLayout, SyncReport, WeightSyncError
-from omni_grpo.sync.buckets import buckets
+from omni_grpo.sync.buckets import buckets, dtype_runs, flatten
 from omni_grpo.sync.group import build_group, host_store
 from omni_grpo.types import Completion, PromptInputs, SamplingParams
 
@@ -167,7 +167,10 @@ class ActorWeightSync:
                 )
                 for a in self.actors.handles
             ]
-            works = [group.broadcast(t.to(device), src=0) for t in bucket.tensors]
+            works = [
+                group.broadcast(flatten(bucket.tensors, idx).to(device), src=0)
+                for _, idx in dtype_runs(bucket.dtypes)
+            ]
             self.actors.wait_works(works, refs, self.timeout_s)
             self.actors.get(refs, range(len(refs)), "receive weights")
             report.buckets += 1

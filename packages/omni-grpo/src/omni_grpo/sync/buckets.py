@@ -7,7 +7,8 @@ bucket goes alone in its own bucket.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -54,3 +55,34 @@ def buckets(pairs: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterat
     if current.names:
         current.last = True
         yield current
+
+
+def dtype_runs(dtypes: Sequence[str]) -> list[tuple[str, list[int]]]:
+    """A bucket's tensor indices grouped by dtype, dtypes in first-seen order.
+
+    Between two ends that both run our code (the Ray rollout actors), each group travels as ONE
+    flat broadcast instead of one per tensor: a small model has hundreds of tensors, and each
+    broadcast is a round trip through the collective (a third of a tiny run's step went there).
+    Both ends derive the same groups from the bucket's ``dtypes``.
+    """
+    runs: dict[str, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        runs.setdefault(dtype, []).append(i)
+    return list(runs.items())
+
+
+def flatten(tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+    """The tensors at ``indices`` (one dtype) as one contiguous 1-D tensor, in that order."""
+    return torch.cat([tensors[i].reshape(-1) for i in indices])
+
+
+def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Views of ``flat`` with ``shapes``, in order (the inverse of ``flatten``)."""
+    out, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[offset : offset + size].view(*shape))
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"flat buffer has {flat.numel()} elements, the shapes {offset}")
+    return out
