@@ -12,7 +12,9 @@ instead of starting its own); each run starts and ends its own actors.
   on image, audio and video.
 * ``test_two_rank_ddp_step_equals_one_process``: the first step of 2-rank DDP through the real
   driver equals the one-process step on the same batch: same loss, grad norm and updated weights
-  within 1e-5 (fp32). Rank 1 ends with the same weights as rank 0.
+  within 1e-5 (fp32). Rank 1 ends with the same weights as rank 0. ``..._lora_...``: the same
+  with ``trainer.lora`` (adapters only; the merged weights rank 0 streams equal the one-process
+  ``W + scale*BA``).
 * ``test_sglang_engine_against_launched_fake_servers``: the sglang-omni engine against servers
   that the driver launched as Ray actors (the project's fake server, started by the same
   ``omni-grpo serve`` code path). Weight sync runs both ways: ``disk``, and ``distributed`` over
@@ -125,7 +127,9 @@ def test_tiny_ray_survives_a_killed_rank_and_learns(tmp_path: Path) -> None:
     assert (run / "logs" / "rollout-1.log").is_file()
 
 
-def test_two_rank_ddp_step_equals_one_process(tmp_path: Path) -> None:
+def _two_rank_vs_one_process(tmp_path: Path, overrides: list[str]) -> dict[str, Any]:
+    """The first step of 2-rank DDP through the real driver and the one-process step on the same
+    batch, from the same starting weights (rank 0's, which every rank receives)."""
     from omni_grpo.algo import group_advantages
     from omni_grpo.backends import create_backend
     from omni_grpo.config import load_config
@@ -138,7 +142,7 @@ def test_two_rank_ddp_step_equals_one_process(tmp_path: Path) -> None:
     from omni_grpo.types import GRPOBatch
 
     path = write_config(tmp_path, "ddp", {"run": {"dir": str(tmp_path / "run")}})
-    cfg = load_config(path, ["data.synthetic.n_train=8", "data.synthetic.n_eval=2"])
+    cfg = load_config(path, ["data.synthetic.n_train=8", "data.synthetic.n_eval=2", *overrides])
     run_dir = Path(cfg.run.dir)
     vl_dir, _ = prepare_model(cfg.model, run_dir)
     data = prepare_data(cfg.data, run_dir)
@@ -156,15 +160,15 @@ def test_two_rank_ddp_step_equals_one_process(tmp_path: Path) -> None:
     advantages = group_advantages(rewards, 4)
     batch = GRPOBatch(groups, advantages, temperature=1.0)
 
-    want = local.step(batch)
-    want_w = local.trainable_state()
-
     plan = plan_run(cfg)
     assert plan.world_size == 2
     trainers, pg, setups = start_trainers(cfg, plan, run_dir, eos)
     try:
         infos = trainers.get(setups, range(2), "start-up")
         group = RayTrainerGroup(trainers, plan, 1 << 20, infos[0]["layout"])
+        local.load_trainable_state(group.trainable_state())  # LoRA: rank 0's random A
+        want = local.step(batch)
+        want_w = local.trainable_state()
         got = group.step(batch)
         got_w = group.trainable_state()
         rank1_w = trainers.get([trainers.handles[1].trainable_state.remote()], [1], "state")[0]
@@ -185,7 +189,29 @@ def test_two_rank_ddp_step_equals_one_process(tmp_path: Path) -> None:
     )
     assert worst <= 1e-5, worst
     assert all(torch.equal(got_w[k], rank1_w[k]) for k in got_w)  # DDP keeps the ranks equal
-    assert set(streamed) >= {k for k in want_w if not k.startswith("model.audio")}
+    return {"local": local, "want_w": want_w, "streamed": streamed}
+
+
+def test_two_rank_ddp_step_equals_one_process(tmp_path: Path) -> None:
+    """Loss, grad norm and updated weights of 2-rank DDP equal one process within 1e-5 (fp32)."""
+    out = _two_rank_vs_one_process(tmp_path, [])
+    assert set(out["streamed"]) >= {k for k in out["want_w"] if not k.startswith("model.audio")}
+
+
+def test_two_rank_lora_step_equals_one_process(tmp_path: Path) -> None:
+    """trainer.lora on the data-parallel path (issue 21): the ranks start from rank 0's adapters,
+    step to the one-process adapters within 1e-5, and rank 0 streams the merged W + scale*BA of
+    the adapted tensors only, under their base names (what the rollout actors load)."""
+    from omni_grpo.models.lora import is_adapter_name
+
+    lora = "trainer.lora={rank: 4, alpha: 8, targets: [attention, experts, visual, lm_head]}"
+    out = _two_rank_vs_one_process(tmp_path, [lora, "trainer.lr=1e-3"])
+    assert out["want_w"] and all(is_adapter_name(n) for n in out["want_w"])
+    merged, _ = out["local"].weights_for_sync()
+    assert set(out["streamed"]) == set(merged)
+    assert not any(is_adapter_name(n) or ".base_layer" in n for n in merged)
+    worst = max(float((out["streamed"][k] - merged[k]).abs().max()) for k in merged)
+    assert worst <= 1e-5, worst
 
 
 @pytest.mark.parametrize("sync_mode", ["disk", "distributed"])

@@ -21,12 +21,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return rollout_world(tmp_path_factory.mktemp("lora"), max_new_tokens=3)
 
 
-def _backend(world: dict, targets: list[str] = ALL_TARGETS, **kw: object) -> TorchBackend:
+def _backend(
+    world: dict, targets: list[str] = ALL_TARGETS, algo: AlgoConfig | None = None, **kw: object
+) -> TorchBackend:
     torch.manual_seed(0)
     cfg = TrainerConfig(
         device="cpu", lr=1e-2, lora=LoraConfig(rank=4, alpha=8, targets=targets), **kw
     )
-    return TorchBackend(copy.deepcopy(world["base"]), cfg, AlgoConfig(), pad_token_id=world["eos"])
+    return TorchBackend(
+        copy.deepcopy(world["base"]), cfg, algo or AlgoConfig(), pad_token_id=world["eos"]
+    )
 
 
 def _row_logits(model: torch.nn.Module, world: dict) -> torch.Tensor:
@@ -107,3 +111,67 @@ def test_lora_with_megatron_is_refused_at_config_time() -> None:
         TrainerConfig(backend="megatron", lora=LoraConfig())
     with pytest.raises(ValueError, match="extra"):
         LoraConfig(rnk=4)
+
+
+def _mbs(world: dict) -> list:
+    from omni_grpo.backends.torch_backend import make_micro_batches
+
+    adv = torch.zeros(len(world["groups"]), len(world["groups"][0]))
+    return make_micro_batches(world["groups"], adv, 8, world["eos"])
+
+
+def _logps(backend: TorchBackend, world: dict, *, reference: bool) -> list[torch.Tensor]:
+    backend.model.train()  # as in step()
+    with torch.no_grad():
+        if reference:
+            return [backend._reference_logp(mb, 1.0) for mb in _mbs(world)]
+        return [backend._token_logp(backend.model, mb, 1.0).float() for mb in _mbs(world)]
+
+
+def test_kl_reference_is_the_live_module_not_a_copy(world: dict) -> None:
+    """LoRA + KL keeps no second model: before the anchor the reference is the adapters-disabled
+    base (bit-equal to the base model's logprobs), after it the anchored adapter values stand in
+    for one forward (bit-equal to a model that holds them); the live adapters are untouched."""
+    backend = _backend(world, algo=AlgoConfig(kl_coef=0.1, kl_type="k3"))
+    assert backend.reference is None and backend.has_reference
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(world["groups"]))
+    backend.step(GRPOBatch(world["groups"], adv))  # the adapters moved: policy != base
+    live = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+    full = TorchBackend(
+        copy.deepcopy(world["base"]), TrainerConfig(device="cpu"), AlgoConfig(), pad_token_id=0
+    )
+    base_logps = _logps(full, world, reference=False)
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(_logps(backend, world, reference=False), base_logps, strict=True)
+    )
+    for got, want in zip(_logps(backend, world, reference=True), base_logps, strict=True):
+        assert torch.equal(got, want)
+    anchored = {n: v + 0.01 for n, v in backend.trainable_state().items()}
+    backend.set_reference(anchored)
+    holder = _backend(world)
+    holder.load_trainable_state(anchored)
+    for got, want in zip(
+        _logps(backend, world, reference=True), _logps(holder, world, reference=False), strict=True
+    ):
+        assert torch.equal(got, want)
+    for n, p in backend.model.named_parameters():
+        assert torch.equal(p, live[n]), n
+        assert p.requires_grad == is_adapter_name(n), n
+
+
+def test_gradient_checkpointing_gives_the_same_step(world: dict) -> None:
+    """trainer.gradient_checkpointing recomputes the layers in the backward: same loss, same
+    updated adapters (fp32), and the adapters still get their gradients (non-reentrant)."""
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(world["groups"]))
+    plain, ckpt = _backend(world), _backend(world, gradient_checkpointing=True)
+    a = plain.step(GRPOBatch(world["groups"], adv))
+    b = ckpt.step(GRPOBatch(world["groups"], adv))
+    assert b["skipped_step"] == 0 and b["grad_norm"] > 0
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    sa, sb = plain.trainable_state(), ckpt.trainable_state()
+    for n in sa:
+        torch.testing.assert_close(sb[n], sa[n], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="trainer.gradient_checkpointing is the torch backend"):
+        TrainerConfig(backend="megatron", gradient_checkpointing=True)

@@ -445,12 +445,22 @@ class TrainerConfig(_Strict):
     lora: LoraConfig | None = Field(
         None, description="LoRA adapters (torch backend); None = full fine-tuning"
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="torch backend: recompute each decoder layer in the backward instead of "
+        "keeping its activations (the 30B thinker on one GPU needs it)",
+    )
 
     @model_validator(mode="after")
     def _lora_backend(self) -> TrainerConfig:
         if self.lora is not None and self.backend == "megatron":
             raise ValueError(
                 "trainer.lora needs trainer.backend: torch (the megatron backend trains all weights)"
+            )
+        if self.gradient_checkpointing and self.backend == "megatron":
+            raise ValueError(
+                "trainer.gradient_checkpointing is the torch backend's; megatron recomputes with "
+                "trainer.megatron.recompute"
             )
         return self
 

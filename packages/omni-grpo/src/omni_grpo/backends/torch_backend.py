@@ -17,7 +17,8 @@ micro-batch runs before the single optimizer step, so the detached logprobs of t
 forward ARE the recompute under the rollout weights (bit-identical, no second forward); with more
 epochs a no-grad pass computes them first. They are compared to the engine's logprobs for the
 mismatch metrics and, with ``algo.tis.enabled``, importance-weighted against them. A frozen
-reference copy exists only when ``algo.kl_coef != 0``.
+reference copy exists only when ``algo.kl_coef != 0``, and never with LoRA (the live module with
+its adapters disabled or swapped is the reference).
 
 Data parallelism (``torch.distributed`` initialised before the backend is built, world > 1; gloo
 on CPU, NCCL on GPU): every rank holds the whole model and steps on its shard of the batch
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -208,11 +210,27 @@ class TorchBackend:
             fused=self.device.type == "cuda" or None,
         )
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        # The KL reference. Full fine-tuning: a frozen copy of the model. LoRA: no copy — the base
+        # weights are frozen, so the reference is the live module with its adapters disabled
+        # (the untrained model; exact, since the base is never written) or, once anchored after
+        # the warm-up, with the anchored adapter values swapped in for the forward
+        # (``lora_reference``): a second model would cost as much memory as the policy (63 GB
+        # for the 30B thinker), the adapters a fraction of a percent of it.
         self.reference: torch.nn.Module | None = None
-        if algo.kl_coef != 0:
+        self.lora_reference: dict[str, torch.Tensor] | None = None
+        self.has_reference = algo.kl_coef != 0
+        if self.has_reference and not self.lora:
             self.reference = copy.deepcopy(model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+        if trainer.gradient_checkpointing:
+            enable = getattr(model, "gradient_checkpointing_enable", None)
+            if enable is None:
+                raise ValueError(
+                    f"trainer.gradient_checkpointing: {type(model).__name__} has no "
+                    "gradient_checkpointing_enable()"
+                )
+            enable()
         self.steps_done = 0
 
     @property
@@ -231,8 +249,9 @@ class TorchBackend:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        """Logits at the positions that predict the completion tokens, ``[B, T, V]``."""
+    def _logits(self, model: Callable[..., Any], mb: MicroBatch) -> torch.Tensor:
+        """Logits at the positions that predict the completion tokens, ``[B, T, V]`` (``model``:
+        a module, or a function of the same keyword arguments)."""
         ids = mb.input_ids.to(self.device)
         mm = {k: v.to(self.device) for k, v in repeat_mm(mb.prompt.mm, ids.shape[0]).items()}
         t = mb.mask.shape[1]
@@ -250,11 +269,36 @@ class TorchBackend:
         return out.logits
 
     def _token_logp(
-        self, model: torch.nn.Module, mb: MicroBatch, temperature: float
+        self, model: Callable[..., Any], mb: MicroBatch, temperature: float
     ) -> torch.Tensor:
         logits = self._logits(model, mb)
         targets = mb.input_ids[:, mb.prompt_len :].to(self.device)
         return token_logprobs_from_logits(logits, targets, temperature)
+
+    def _reference_logits(self, mb: MicroBatch) -> torch.Tensor:
+        """Logits under the KL reference (see ``__init__``), no grad."""
+        with torch.no_grad():
+            if self.reference is not None:
+                return self._logits(self.reference, mb)
+            if self.lora_reference is None:
+                from omni_grpo.models.lora import adapters_disabled
+
+                with adapters_disabled(self.model):
+                    return self._logits(self.model, mb)
+            # the anchored adapters stand in for the live ones during this forward only
+            # (torch.func.functional_call: nothing is written into the policy's parameters)
+            model, state = self.model, self.lora_reference
+
+            def swapped(**kwargs: Any) -> Any:
+                return torch.func.functional_call(model, state, (), kwargs)
+
+            return self._logits(swapped, mb)
+
+    def _reference_logp(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+        """Token logprobs under the KL reference, no grad."""
+        targets = mb.input_ids[:, mb.prompt_len :].to(self.device)
+        logits = self._reference_logits(mb)
+        return token_logprobs_from_logits(logits, targets, temperature).float()
 
     # ------------------------------------------------------------------ the update
     def step(self, batch: GRPOBatch) -> dict[str, float]:
@@ -272,17 +316,18 @@ class TorchBackend:
         # in the loop below (one micro-batch of them alive at a time), not stored for all here.
         full_kl = self.algo.kl_type == "full"
         ref: list[torch.Tensor | None] = [None] * len(mbs)
-        if self.reference is not None and not full_kl:
+        if self.has_reference and not full_kl:
             with torch.no_grad():
-                ref = [
-                    self._token_logp(self.reference, mb, batch.temperature).float() for mb in mbs
-                ]
+                ref = [self._reference_logp(mb, batch.temperature) for mb in mbs]
         sums = MetricSums()
         decisions: list[StepDecision] = []
         grad_norm = 0.0
         for _epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for i, mb in enumerate(mbs):
+                # kl_type full: the reference's logits first (with LoRA the reference forward
+                # toggles the live adapters, which must not happen under a recorded graph)
+                ref_logits = self._reference_logits(mb) if full_kl and self.has_reference else None
                 logits = self._logits(self.model, mb)
                 targets = mb.input_ids[:, mb.prompt_len :].to(self.device)
                 logp = token_logprobs_from_logits(logits, targets, batch.temperature)
@@ -290,9 +335,7 @@ class TorchBackend:
                 if self.algo.entropy_coef != 0:
                     entropy = entropy_from_logits(logits, batch.temperature)
                 kl = None
-                if full_kl and self.reference is not None:
-                    with torch.no_grad():
-                        ref_logits = self._logits(self.reference, mb)
+                if ref_logits is not None:
                     kl = forward_kl_from_logits(logits, ref_logits, batch.temperature)
                     del ref_logits
                 old_logp = old[i] if old[i] is not None else logp.detach()
@@ -405,7 +448,16 @@ class TorchBackend:
         """Make the KL reference the policy with these trainable weights (the frozen rest is the
         same module state by construction). The trainer anchors it to the policy after the format
         warm-up — the SFT stage — instead of the untrained model it was copied from."""
-        if self.reference is None:
+        if not self.has_reference:
+            return
+        if self.reference is None:  # LoRA: the adapters' values, swapped in for the reference
+            params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+            if set(state) != set(params):
+                raise ValueError("the KL reference's weights are not this run's LoRA adapters")
+            self.lora_reference = {
+                n: v.detach().to(params[n].device, params[n].dtype).clone()
+                for n, v in state.items()
+            }
             return
         params = dict(self.reference.named_parameters())
         with torch.no_grad():

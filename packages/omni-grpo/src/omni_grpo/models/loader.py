@@ -63,8 +63,6 @@ def load_thinker(
     from transformers import AutoConfig, Qwen3VLMoeForConditionalGeneration
 
     extracted_dir = Path(extracted_dir)
-    sideband = read_sideband(extracted_dir)
-    config_dict = json.loads((extracted_dir / "config.json").read_text())
     config = AutoConfig.from_pretrained(extracted_dir)
     torch_dtype = _resolve_dtype(dtype, getattr(config, "dtype", None))
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
@@ -74,6 +72,35 @@ def load_thinker(
         kwargs["experts_implementation"] = experts_implementation
     vl = Qwen3VLMoeForConditionalGeneration.from_pretrained(extracted_dir, **kwargs)
     vl.to(device)
+    return wrap_vl(
+        vl,
+        extracted_dir,
+        audio_dir=audio_dir,
+        freeze_visual=freeze_visual,
+        freeze_lm_head=freeze_lm_head,
+        attn_implementation=attn_implementation,
+    )
+
+
+def wrap_vl(
+    vl: torch.nn.Module,
+    extracted_dir: str | Path,
+    *,
+    audio_dir: str | Path | None = None,
+    freeze_visual: bool = True,
+    freeze_lm_head: bool = False,
+    attn_implementation: str | None = None,
+) -> OmniThinker:
+    """The thinker around an already built ``Qwen3VLMoeForConditionalGeneration``: sideband, rope
+    config and audio tower come from ``extracted_dir`` (its ``config.json`` must describe ``vl``).
+
+    ``load_thinker`` reads the weights first; a benchmark that draws random weights at real widths
+    directly in GPU memory (``benchmarks/lora_memory.py``: 63 GB that need not touch a disk) wraps
+    its module here.
+    """
+    extracted_dir = Path(extracted_dir)
+    sideband = read_sideband(extracted_dir)
+    config_dict = json.loads((extracted_dir / "config.json").read_text())
     audio_dir = Path(audio_dir) if audio_dir is not None else _default_audio_dir(extracted_dir)
     tower = FrozenAudioTower(audio_dir, attn_implementation=attn_implementation)
     injector = AudioInjector(tower, sideband.audio_token_id)

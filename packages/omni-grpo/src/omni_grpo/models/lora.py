@@ -21,6 +21,8 @@ delta the forward applies), for the adapted tensors only.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,14 +73,18 @@ def peft_config(cfg: LoraConfig, base: str | None = None) -> PeftLoraConfig:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
-    """Inject ``cfg``'s adapters into ``model`` in place; only they remain trainable.
+    """Inject ``cfg``'s adapters into ``model`` in place; only they remain trainable (fp32).
 
     ``B`` starts at zero (peft's default), so the adapted model computes the base model's logits.
     """
     from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import cast_adapter_dtype
 
     vl = getattr(model, "vl", model)  # OmniThinker: inject into the transformers model it wraps
     inject_adapter_in_model(peft_config(cfg), vl, adapter_name=ADAPTER)
+    # fp32 adapters on a bf16 base, as PeftModel does (autocast_adapter_dtype): AdamW steps of
+    # lr 1e-5 on bf16 weights would mostly round away; inject_adapter_in_model leaves them bf16.
+    cast_adapter_dtype(vl, adapter_name=ADAPTER, autocast_adapter_dtype=True)
     if vl is not model and getattr(model, "lm_head", None) is not vl.lm_head:
         model.lm_head = vl.lm_head  # the wrapper replaced its attribute; the thinker follows
     for name, p in model.named_parameters():  # peft leaves the rest frozen; make sure
@@ -90,6 +96,22 @@ def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     from peft.tuners.lora.layer import LoraLayer
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model inside the block: every LoRA layer of ``model`` skips its adapter (peft's
+    ``disable_adapter()``, which only ``PeftModel`` has; we inject into the transformers model).
+    Exact: the base weights are frozen, so this is the model the adapters started from (``B``
+    starts at zero). peft's toggle also clears and restores the adapters' ``requires_grad``."""
+    layers = [m for _, m in lora_layers(model)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def _base_name(module_name: str, layer: nn.Module) -> str:

@@ -278,7 +278,16 @@ class OmniThinker(nn.Module):
             )
             param.requires_grad_(not frozen)
 
-    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        """Activation checkpointing of the decoder layers (delegates to the VL model)."""
+    def gradient_checkpointing_enable(self, use_reentrant: bool = False) -> None:
+        """Activation checkpointing of the decoder layers (delegates to the VL model).
+
+        Non-reentrant by default: with frozen embeddings (LoRA) the reentrant variant would see
+        inputs that need no grad and drop the adapters' gradients. transformers renamed the
+        method (``activation_checkpointing_enable``) and its keyword; both spellings are served.
+        """
+        kwargs = {"use_reentrant": use_reentrant}
         enable = getattr(self._vl, "activation_checkpointing_enable", None)
-        (enable or self._vl.gradient_checkpointing_enable)(**kwargs)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self._vl.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
