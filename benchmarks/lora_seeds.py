@@ -9,7 +9,8 @@ and thread count so that load drifts on a shared machine hit both alike. Prints 
 per run the accuracies and times, per thread count the pass count and the LoRA / full ratios of
 mean wall and CPU time (the CPU time is the comparable one on a loaded box).
 
-    uv run python benchmarks/lora_seeds.py [--seeds 0-4] [--threads 1] [--baseline-seeds 0]
+    uv run python benchmarks/lora_seeds.py [--seeds 0-4] [--threads 1] [--baseline-seeds 0] \
+        [--set algo.kl_type=full ...]
 
 Not a test: minutes per run. ``--work DIR`` keeps the run directories.
 """
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--threads", default="1")
     ap.add_argument("--baseline-seeds", default="0", help="'' skips the full fine-tuning runs")
     ap.add_argument("--work", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="extra override (both sides)"
+    )
     args = ap.parse_args()
 
     seeds, threads = parse_ints(args.seeds), parse_ints(args.threads)
@@ -56,7 +60,7 @@ def main() -> None:
     try:
         for kind, s, t in order:
             config = args.config if kind == "lora" else args.baseline_config
-            r = run_one(config, work, f"{kind}_s{s}_t{t}", s, t, ())
+            r = run_one(config, work, f"{kind}_s{s}_t{t}", s, t, tuple(args.overrides))
             runs[kind].append(r)
             print(json.dumps({kind: r}), file=sys.stderr, flush=True)
     except KeyboardInterrupt:
@@ -86,6 +90,7 @@ def main() -> None:
                 "benchmark": "lora_seeds",
                 "config": str(args.config),
                 "baseline_config": str(args.baseline_config),
+                "overrides": args.overrides,
                 "cpus": os.cpu_count(),
                 "target": TARGET,
                 "interrupted": interrupted,

@@ -175,3 +175,14 @@ def test_gradient_checkpointing_gives_the_same_step(world: dict) -> None:
         torch.testing.assert_close(sb[n], sa[n], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="trainer.gradient_checkpointing is the torch backend"):
         TrainerConfig(backend="megatron", gradient_checkpointing=True)
+
+
+def test_exact_kl_with_lora_reference(world: dict) -> None:
+    """kl_type full takes the reference's logits from the adapters-disabled live module."""
+    backend = _backend(world, algo=AlgoConfig(kl_coef=0.1, kl_type="full"))
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(world["groups"]))
+    first = backend.step(GRPOBatch(world["groups"], adv))
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == base before the update
+    second = backend.step(GRPOBatch(world["groups"], adv))
+    assert second["kl_loss"] > 0 and second["skipped_step"] == 0
+    assert all(p.requires_grad == is_adapter_name(n) for n, p in backend.model.named_parameters())
