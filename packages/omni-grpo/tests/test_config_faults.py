@@ -214,3 +214,34 @@ def test_url_passwords_are_masked_when_the_config_is_shown(tmp_path: Path) -> No
 def test_a_key_given_twice_is_refused_not_silently_overwritten(tmp_path: Path) -> None:
     msg = _config_error(tmp_path, "trainer:\n  lr: 1.0e-4\n  lr: 3.0e-3\n")
     assert "duplicate key 'lr'" in msg and "line 3" in msg
+
+
+# ------------------------------------------------ 16-17 (re-probed): other silently accepted input
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("trainer.lr=.inf", "trainer.lr: Input should be a finite number"),
+        ("algo.kl_coef=.nan", "algo.kl_coef: Input should be a finite number"),
+        ("model.make_tiny.sizes.text.num_attention_heads=7", "must be a multiple of"),
+        ("model.make_tiny.sizes.text.hidden_size=big", "text.hidden_size: expected a positive"),
+        ("model.make_tiny.sizes.audio.encoder_attention_heads=0", "expected a positive integer"),
+    ],
+)
+def test_non_finite_numbers_and_unbuildable_tiny_sizes_are_refused(
+    override: str, fragment: str
+) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, ["model.make_tiny={vocab: small}", override])
+
+
+def test_synthetic_data_and_files_together_are_refused(tmp_path: Path) -> None:
+    """``data.synthetic`` writes its own train/eval: a given ``data.train`` was ignored."""
+    with pytest.raises(ConfigError, match=r"data\.train would be ignored"):
+        load_config(None, ["data.synthetic={n_train: 2}", f"data.train={tmp_path}/t.jsonl"])
+
+
+def test_a_binary_config_file_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "weights.safetensors"
+    p.write_bytes(b"\x80\x00binary")
+    with pytest.raises(ConfigError, match=r"weights\.safetensors: not a UTF-8 text file"):
+        load_config(p)

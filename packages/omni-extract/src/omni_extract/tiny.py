@@ -151,8 +151,38 @@ def check_size_overrides(sizes: dict[str, Any]) -> None:
             problems.append(
                 f"{tower}: unknown key(s) {unknown} (known: {sorted(SIZE_KEYS[tower])})"
             )
+        problems.extend(_size_problems(tower, {**DEFAULTS[tower], **overrides}, overrides))
     if problems:
         raise ValueError("; ".join(problems))
+
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "text": DEFAULT_TEXT,
+    "vision": DEFAULT_VISION,
+    "audio": DEFAULT_AUDIO,
+}
+# Per tower: (width, heads) pairs where heads must divide width, and (heads, kv heads) where kv
+# must divide heads; checked on the merged sizes so a factory error never names torch shapes.
+DIVISIBLE: dict[str, tuple[tuple[str, str], ...]] = {
+    "text": (("num_attention_heads", "num_key_value_heads"),),
+    "vision": (("hidden_size", "num_heads"),),
+    "audio": (("d_model", "encoder_attention_heads"),),
+}
+
+
+def _size_problems(tower: str, merged: dict[str, Any], overrides: dict[str, Any]) -> list[str]:
+    """Integer sizes that are not positive integers, and head counts that do not divide."""
+    problems = []
+    for key, default in DEFAULTS[tower].items():
+        if key in overrides and isinstance(default, int) and not isinstance(default, bool):
+            value = overrides[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{tower}.{key}: expected a positive integer, got {value!r}")
+    for big, small in DIVISIBLE[tower]:
+        a, b = merged.get(big), merged.get(small)
+        if isinstance(a, int) and isinstance(b, int) and b > 0 and a % b:
+            problems.append(f"{tower}.{big} ({a}) must be a multiple of {tower}.{small} ({b})")
+    return problems
 
 
 SMALL_CORPUS = (
@@ -483,8 +513,9 @@ def _nan_filled_empty() -> Iterator[None]:
     import torch
     import torch.utils.deterministic as det
 
-    prev_det, prev_warn = torch.are_deterministic_algorithms_enabled(), (
-        torch.is_deterministic_algorithms_warn_only_enabled()
+    prev_det, prev_warn = (
+        torch.are_deterministic_algorithms_enabled(),
+        (torch.is_deterministic_algorithms_warn_only_enabled()),
     )
     prev_fill = det.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -36,7 +36,9 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # ``.inf`` / ``.nan`` pass a ``gt=0`` bound (an infinite learning rate was accepted): no
+    # setting of this tree means anything non-finite, so they are refused everywhere.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def _non_empty_path(value: Any) -> Any:
@@ -195,6 +197,18 @@ class DataConfig(_Strict):
     )
     shuffle: bool = True
     synthetic: SyntheticDataConfig | None = None
+
+    @model_validator(mode="after")
+    def _synthetic_or_files(self) -> DataConfig:
+        """``data.synthetic`` writes the train/eval files itself: a ``train``/``eval`` given as
+        well would be ignored without a word, so say which one wins instead."""
+        given = [k for k in ("train", "eval") if getattr(self, k) is not None]
+        if self.synthetic is not None and given:
+            raise ValueError(
+                f"data.synthetic generates the dataset, so data.{'/'.join(given)} would be "
+                "ignored; set one or the other (data.synthetic: null to train on your files)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pixels_ordered(self) -> DataConfig:
@@ -802,6 +816,8 @@ def _read_yaml(file: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {file}")
     try:
         loaded = yaml.load(file.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{file}: not a UTF-8 text file (byte {err.start})") from None
     except yaml.YAMLError as err:
         # Only the problem and its position: YAML's own message quotes the offending line,
         # which may be the one holding the admin key.
