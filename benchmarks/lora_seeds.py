@@ -95,7 +95,7 @@ def main() -> None:
                 "target": TARGET,
                 "interrupted": interrupted,
                 "planned_runs": len(order),
-                "all_pass": all(r.get("pass") for r in runs["lora"]),
+                "all_pass": bool(runs["lora"]) and all(r.get("pass") for r in runs["lora"]),
                 "by_threads": by_threads,
                 "runs": runs,
             }
