@@ -63,6 +63,10 @@ def load_thinker(
     from transformers import AutoConfig, Qwen3VLMoeForConditionalGeneration
 
     extracted_dir = Path(extracted_dir)
+    # Before anything is built: an Omni (not ``vl``) directory read as a VL config gets the
+    # released model's default widths, and building that 30B model from a tiny test checkpoint
+    # took 24 GB and an OOM kill of the test process.
+    read_sideband(extracted_dir)
     config = AutoConfig.from_pretrained(extracted_dir)
     torch_dtype = _resolve_dtype(dtype, getattr(config, "dtype", None))
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
