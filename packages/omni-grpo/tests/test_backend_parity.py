@@ -129,7 +129,8 @@ def test_same_batch_same_step_on_cpu(
         if advantages == "mixed"
         else torch.zeros(len(groups), 4)
     )
-    batch = GRPOBatch(groups, adv, temperature=0.8)
+    # the loop's schedule hands each step its lr: both backends must train (and report) with it
+    batch = GRPOBatch(groups, adv, temperature=0.8, lr=0.5 * torch_cfg.lr)
     tb = TorchBackend(copy.deepcopy(world["base"]), torch_cfg, algo_cfg, pad_token_id=world["eos"])
     mb = MegatronBackend(
         TorchThinkerAsMegatron(copy.deepcopy(world["base"])), _vl_config(world), mega_cfg, algo_cfg
@@ -138,6 +139,7 @@ def test_same_batch_same_step_on_cpu(
     before = {n: p.detach().clone() for n, p in tb.model.named_parameters()}
     mt, mm = tb.step(batch), mb.step(batch)
     _assert_same(mt, mm, 1e-5)
+    assert mt["lr"] == 0.5 * torch_cfg.lr
     assert mt["no_signal_step"] == (1.0 if advantages == "zero" else 0.0)
     # Adam's first update is lr * g / (|g| + eps): for the odd gradient element within a few eps
     # of zero, a 1e-10 difference in g (rows batched differently) moves it by ~1e-2 * lr; all

@@ -388,6 +388,17 @@ class WarmupConfig(_Strict):
     lr: float = Field(1e-4, gt=0)
 
 
+class LrScheduleConfig(_Strict):
+    """The learning rate of GRPO step k (``omni_grpo.algo.schedule.lr_at``): a linear ramp over
+    ``warmup_steps``, then ``constant`` at ``trainer.lr`` or a ``cosine`` / ``linear`` decay to
+    ``min_lr_ratio * trainer.lr`` at ``run.steps``. A function of the step only, so a resumed run
+    continues on the same curve. The supervised format warm-up keeps its own ``warmup.lr``."""
+
+    kind: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="GRPO steps of linear ramp from lr/warmup_steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay's floor, times trainer.lr")
+
+
 class MegatronConfig(_Strict):
     tp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
@@ -443,6 +454,7 @@ class TrainerConfig(_Strict):
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     lr: float = Field(1e-6, gt=0)
+    lr_schedule: LrScheduleConfig = Field(default_factory=LrScheduleConfig)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, gt=0)

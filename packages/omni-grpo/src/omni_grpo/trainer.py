@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from omni_grpo.algo import group_advantages
+from omni_grpo.algo.schedule import lr_at
 from omni_grpo.backends import create_backend
 from omni_grpo.models.sideband import media_token_ids
 from omni_grpo.ray.placement import plan_run
@@ -546,7 +547,12 @@ def train(
                 # update
                 t1 = time.perf_counter()
                 metrics = backend.step(
-                    GRPOBatch(groups, advantages, temperature=sampling.temperature)
+                    GRPOBatch(
+                        groups,
+                        advantages,
+                        temperature=sampling.temperature,
+                        lr=lr_at(step, cfg.run.steps, cfg.trainer.lr, cfg.trainer.lr_schedule),
+                    )
                 )
                 t_train = time.perf_counter() - t1
                 # weight sync (engines with their own copy; the embedded engine shares the module)

@@ -122,6 +122,7 @@ class GRPOBatch:
     groups: list[list[Completion]]  # one list per prompt, n completions each
     advantages: torch.Tensor  # [num_groups, n]
     temperature: float = 1.0  # the rollout sampling temperature (logprobs are recomputed under it)
+    lr: float | None = None  # this update's learning rate (the loop's schedule); None: trainer.lr
 
 
 @runtime_checkable

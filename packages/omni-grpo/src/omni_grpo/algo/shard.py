@@ -57,6 +57,7 @@ def shard_batch(batch: GRPOBatch, world_size: int) -> list[GRPOBatch]:
                 [batch.groups[g] for g in idx],
                 batch.advantages[torch.tensor(idx, dtype=torch.long)],
                 temperature=batch.temperature,
+                lr=batch.lr,
             )
         )
     return shards

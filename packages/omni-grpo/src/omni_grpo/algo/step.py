@@ -23,8 +23,9 @@ Megatron backends cannot drift apart again:
    world size cut the step into (exactly, for the linear means such as ``pg_clipfrac`` and
    ``ppo_kl``); sample weighting would change ``pg_clipfrac`` with the micro-batch split.
    Non-finite values of those means (a Pearson correlation of one token) are left out.
-4. **The learning rate reported** (:func:`current_lr`): read from the optimizer, i.e. the value
-   the update used, never from the config.
+4. **The learning rate** (:func:`apply_lr` sets the step's ``GRPOBatch.lr``, the loop's schedule
+   from ``omni_grpo.algo.schedule``; :func:`current_lr` reports it): read back from the optimizer,
+   i.e. the value the update used, never from the config.
 """
 
 from __future__ import annotations
@@ -153,6 +154,15 @@ class MetricSums:
 
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+def apply_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:
+    """Set the step's learning rate (``GRPOBatch.lr``, the loop's schedule) on every param group;
+    ``None`` leaves the optimizer's own (``trainer.lr``): callers that build batches by hand."""
+    if lr is None:
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

@@ -55,6 +55,7 @@ from omni_grpo.algo import (
 from omni_grpo.algo.step import (
     MetricSums,
     StepDecision,
+    apply_lr,
     current_lr,
     dp_world_size,
     global_counts,
@@ -304,6 +305,7 @@ class TorchBackend:
     def step(self, batch: GRPOBatch) -> dict[str, float]:
         """One optimizer step over every completion of ``batch``; returns averaged metrics."""
         self.model.train()
+        apply_lr(self.optimizer, batch.lr)
         mbs = make_micro_batches(
             batch.groups, batch.advantages, self.cfg.micro_batch_size, self.pad_token_id
         )

@@ -44,6 +44,7 @@ from omni_grpo.algo import grpo_loss
 from omni_grpo.algo.step import (
     MetricSums,
     StepDecision,
+    apply_lr,
     current_lr,
     global_counts,
     local_counts,
@@ -230,6 +231,7 @@ class MegatronBackend:
         plan = plan_micro_batches([len(r.input_ids) for r in rows], self.mcfg.max_tokens_per_gpu)
         micros = [self._micro(rows, idx) for idx in plan]
         temperature = batch.temperature
+        apply_lr(self.optim.opt, batch.lr)
         self.thinker.lm.train()
         if self.reference is not None:
             with torch.no_grad(), self.reference.swapped():
