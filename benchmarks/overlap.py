@@ -9,7 +9,8 @@ the CPU).
   disk weight updates, weight versions), answering letters. A calibration run measures the train
   step and the rollout's fixed cost (prompt loading, payload, HTTP, decoding); the per-token delay
   is then CHOSEN so that the whole on-policy rollout (fixed cost + generation) takes as long as
-  one train step, the case the issue asks about. The ideal ratio is then
+  one train step, the case the issue asks about (a second short on-policy run checks the choice
+  and corrects the delay by the gap left). The ideal ratio is then
   (rollout + train + sync) / (max(rollout, train) + sync) < 2x, and the first step, which no run
   can overlap, is in ``ratio`` but not in ``steady_ratio``.
 * ``ray``: the embedded rollout actors of ``examples/tiny-ray.yaml``, by default with ONE trainer
@@ -149,12 +150,21 @@ def sglang_pair(work: Path, steps: int) -> dict[str, Any]:
     fixed_s = max(0.0, probe["phases_s"]["rollout"] - TOKENS_PER_SAMPLE * probe_delay)
     # rollout (fixed cost + TOKENS_PER_SAMPLE delays: the fake's samples run concurrently) = train
     delay = max(0.0, train_s - fixed_s) / TOKENS_PER_SAMPLE
+    # Second pass: the fixed cost is not quite additive (the fake's requests overlap with each
+    # other and with the client's decoding), so check the first estimate with a short on-policy
+    # run and move the delay by the gap that is left.
+    with serve(delay) as url:
+        check = run(cfg("calibrate-2", url, 0, 4))["phases_s"]
+    first = delay
+    delay = max(0.0, delay + (check["train"] - check["rollout"]) / TOKENS_PER_SAMPLE)
     out: dict[str, Any] = {
         "token_delay_s": round(delay, 4),
         "calibration": {
             "train_s": train_s,
             "rollout_fixed_s": round(fixed_s, 4),
             "fixed_exceeds_train": fixed_s > train_s,
+            "first_token_delay_s": round(first, 4),
+            "first_rollout_over_train": round(check["rollout"] / check["train"], 3),
         },
     }
     for staleness in (0, 1):
