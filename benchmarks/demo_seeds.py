@@ -16,9 +16,10 @@ modality ends at >= 0.9 and none collapsed.
 
 The baseline (``--baseline``, ``BASELINES``: overrides of the same config) runs in the same
 invocation with the same thread counts, each baseline run right after the recipe run of its seed
-and thread count so that load drifts hit both: ``main`` (default) is the demo recipe as it was on
-main before the exact KL (``kl_type k3``, the same 160 steps); ``issue16`` is the demo the issue
-was filed against (no KL anchor, 200 steps, evaluation every 25, seeds pinned to 0). Wall time
+and thread count so that load drifts hit both: ``main`` (default) is the demo recipe before the
+cosine decay (constant lr, Adam beta2 0.999, the same 160 steps); ``k3`` the one before the exact KL too;
+``issue16`` is the demo the issue was filed against (no KL anchor, constant lr, 200 steps,
+evaluation every 25, seeds pinned to 0). Wall time
 on a shared 2-core box moves with other people's load, so the CPU time of the child (user + sys,
 from ``wait4``) is reported next to it.
 
@@ -51,13 +52,17 @@ WINDOW = 5  # training-reward steps averaged by the between-evaluations collapse
 
 # The baselines as overrides of the current examples/tiny.yaml.
 BASELINES: dict[str, tuple[str, ...]] = {
-    # the recipe on main at 9d8faeb: the sampled k3 estimator instead of the exact KL
-    "main": ("algo.kl_type=k3",),
+    # the recipe on main at cff798f: the exact KL at a constant learning rate, Adam beta2 0.999
+    "main": ("trainer.lr_schedule.kind=constant", "trainer.betas=[0.9, 0.999]"),
+    # the recipe on main at 9d8faeb: the sampled k3 estimator instead of the exact KL too
+    "k3": ("algo.kl_type=k3", "trainer.lr_schedule.kind=constant", "trainer.betas=[0.9, 0.999]"),
     # the demo issue 16 was filed against (main at 46b1011): no KL anchor, 200 steps, evaluation
     # every 25, the tiny model and data pinned to seed 0
     "issue16": (
         "algo.kl_coef=0.0",
         "algo.kl_type=k1",
+        "trainer.lr_schedule.kind=constant",
+        "trainer.betas=[0.9, 0.999]",
         "run.steps=200",
         "eval.every=25",
         "model.make_tiny.seed=0",
