@@ -13,6 +13,9 @@ the CPU).
   and corrects the delay by the gap left). The ideal ratio is then
   (rollout + train + sync) / (max(rollout, train) + sync) < 2x, and the first step, which no run
   can overlap, is in ``ratio`` but not in ``steady_ratio``.
+* ``sglang_trainer_actor``: the same engine, fake and delay with the trainer as ONE Ray actor
+  (``trainer.world_size: 1`` and a launched ``kind: fake`` server: the scale path's topology),
+  so the client in this process no longer shares a GIL with the training step.
 * ``ray``: the embedded rollout actors of ``examples/tiny-ray.yaml``, by default with ONE trainer
   rank and ONE rollout actor (``--ray-trainers`` / ``--ray-actors``). Rollout and training are
   both CPU work here; with one core per role (this box has two) overlap can use the core the
@@ -175,6 +178,37 @@ def sglang_pair(work: Path, steps: int) -> dict[str, Any]:
     return out
 
 
+def sglang_actor_pair(work: Path, steps: int, delay: float) -> dict[str, Any]:
+    """The sglang pair's engine, fake server and delay, with the trainer as a Ray actor: the
+    scale path's topology (``trainer.world_size: 1`` + a launched server makes ``omni-grpo
+    train`` a driver), where the client's HTTP work no longer shares a GIL with training."""
+    out: dict[str, Any] = {"token_delay_s": round(delay, 4)}
+    launch = (
+        "{servers: 1, kind: fake, gpus_per_server: 0, cpus_per_server: 0.5, "
+        f"extra_args: [--token-delay-s, '{delay}']}}"
+    )
+    for staleness in (0, 1):
+        name = f"sglang-actor-{staleness}"
+        out[f"max_staleness_{staleness}"] = run(
+            config(
+                "tiny.yaml",
+                work / name,
+                work / "model",
+                steps,
+                [
+                    "rollout.engine=sglang-omni",
+                    f"rollout.sglang.launch={launch}",
+                    "rollout.sglang.sync_mode=disk",
+                    f"rollout.sglang.sync_dir={work / name / 'sync'}",
+                    f"rollout.max_staleness={staleness}",
+                    "algo.tis={enabled: true, mode: truncate, clip_high: 2.0}",
+                    "ray.cpus_per_trainer=0.5",
+                ],
+            )
+        )
+    return out
+
+
 def ray_pair(work: Path, steps: int, trainers: int, actors: int) -> dict[str, Any]:
     out: dict[str, Any] = {"trainer_ranks": trainers, "rollout_actors": actors}
     for staleness in (0, 1):
@@ -226,11 +260,16 @@ def main() -> None:
     sglang = sglang_pair(work, args.steps)
     result["sglang"] = {**ratios(sglang), **sglang}
     if not args.no_ray:
+        actor = sglang_actor_pair(work, args.steps, sglang["token_delay_s"])
+        result["sglang_trainer_actor"] = {**ratios(actor), **actor}
         ray = ray_pair(work, args.steps, args.ray_trainers, args.ray_actors)
         result["ray"] = {**ratios(ray), **ray}
     result.update(
         ratio=result["sglang"]["ratio"],
         steady_ratio=result["sglang"]["steady_ratio"],
+        sglang_trainer_actor_ratio=(
+            result["sglang_trainer_actor"]["ratio"] if "ray" in result else None
+        ),
         ray_ratio=result["ray"]["ratio"] if "ray" in result else None,
         ray_steady_ratio=result["ray"]["steady_ratio"] if "ray" in result else None,
         target_ratio=1.6,
