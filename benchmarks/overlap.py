@@ -28,7 +28,8 @@ train, weight sync, metrics; no start-up, no evaluation), ``steady`` leaves out 
 ``phases_s`` the mean step, rollout wait, train and weight-sync seconds: in mode 0 the rollout is
 the whole rollout, in mode 1 the part the overlap did not hide. One JSON object.
 
-    uv run python benchmarks/overlap.py [--steps 12] [--no-ray] [--work DIR]
+    uv run python benchmarks/overlap.py [--steps 12] [--pairs sglang,sglang_trainer_actor,ray]
+        [--no-ray] [--work DIR]
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def run(cfg: Any) -> dict[str, Any]:
     }
 
 
-def sglang_pair(work: Path, steps: int) -> dict[str, Any]:
+def sglang_pair(work: Path, steps: int, measure: bool = True) -> dict[str, Any]:
     from omni_grpo.trainer import prepare_model
 
     model_dir = work / "model"
@@ -170,7 +171,7 @@ def sglang_pair(work: Path, steps: int) -> dict[str, Any]:
             "first_rollout_over_train": round(check["rollout"] / check["train"], 3),
         },
     }
-    for staleness in (0, 1):
+    for staleness in (0, 1) if measure else ():
         with serve(delay) as url:
             out[f"max_staleness_{staleness}"] = run(
                 cfg(f"staleness-{staleness}", url, staleness, steps)
@@ -247,7 +248,12 @@ def ratios(pair: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--no-ray", action="store_true", help="skip the embedded rollout actors")
+    parser.add_argument(
+        "--pairs",
+        default="sglang,sglang_trainer_actor,ray",
+        help="which pairs to measure (the calibration always runs)",
+    )
+    parser.add_argument("--no-ray", action="store_true", help="= --pairs sglang")
     parser.add_argument("--ray-trainers", type=int, default=1)
     parser.add_argument("--ray-actors", type=int, default=1)
     parser.add_argument("--work", type=Path, default=None)
@@ -257,21 +263,26 @@ def main() -> None:
     t0 = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
     result: dict[str, Any] = {"benchmark": "overlap", "steps": args.steps}
-    sglang = sglang_pair(work, args.steps)
-    result["sglang"] = {**ratios(sglang), **sglang}
-    if not args.no_ray:
+    pairs = {"sglang"} if args.no_ray else set(args.pairs.split(","))
+    sglang = sglang_pair(work, args.steps, measure="sglang" in pairs)
+    result["sglang"] = {**ratios(sglang), **sglang} if "sglang" in pairs else sglang
+    if "sglang_trainer_actor" in pairs:
         actor = sglang_actor_pair(work, args.steps, sglang["token_delay_s"])
         result["sglang_trainer_actor"] = {**ratios(actor), **actor}
+    if "ray" in pairs:
         ray = ray_pair(work, args.steps, args.ray_trainers, args.ray_actors)
         result["ray"] = {**ratios(ray), **ray}
+
+    def key(pair: str, name: str) -> float | None:
+        return result[pair].get(name) if pair in result else None
+
     result.update(
-        ratio=result["sglang"]["ratio"],
-        steady_ratio=result["sglang"]["steady_ratio"],
-        sglang_trainer_actor_ratio=(
-            result["sglang_trainer_actor"]["ratio"] if "ray" in result else None
-        ),
-        ray_ratio=result["ray"]["ratio"] if "ray" in result else None,
-        ray_steady_ratio=result["ray"]["steady_ratio"] if "ray" in result else None,
+        ratio=key("sglang", "ratio"),
+        steady_ratio=key("sglang", "steady_ratio"),
+        sglang_trainer_actor_ratio=key("sglang_trainer_actor", "ratio"),
+        sglang_trainer_actor_steady_ratio=key("sglang_trainer_actor", "steady_ratio"),
+        ray_ratio=key("ray", "ratio"),
+        ray_steady_ratio=key("ray", "steady_ratio"),
         target_ratio=1.6,
         limit_ratio=2.0,
         wall_s=round(time.perf_counter() - t0, 1),
