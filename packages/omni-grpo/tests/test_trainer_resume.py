@@ -7,7 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from omni_grpo.config import load_config
+from omni_grpo.algo.schedule import lr_at
+from omni_grpo.config import LrScheduleConfig, load_config
 from omni_grpo.run.metrics import read_metrics
 from omni_grpo.trainer import EpochSampler, train
 
@@ -33,6 +34,7 @@ def _cfg(run_dir: Path, model_dir: Path, steps: int) -> object:
             "rollout.eval_sampling.max_new_tokens=2",
             "trainer.device=cpu",
             "trainer.lr=1e-3",
+            "trainer.lr_schedule={kind: cosine, min_lr_ratio: 0.1}",
             "trainer.warmup={steps: 1, lr: 1e-3}",
             "eval.every=2",
             "eval.ablations=[video]",
@@ -54,6 +56,12 @@ def test_resume_after_stop_gives_identical_metrics(tmp_path: Path) -> None:
     # the ablated evaluation runs with the plain one; the collapse watch count is logged
     assert {"eval/ablated/video/accuracy/video", "eval/ablated/video/accuracy/all"} <= set(full[2])
     assert any(k.startswith("no_signal_steps/") for k in full[3])
+    # each update used the schedule's lr for its step (read back from the optimizer)
+    schedule = LrScheduleConfig(kind="cosine", min_lr_ratio=0.1)
+    assert [r["lr"] for r in full[1:]] == pytest.approx(
+        [lr_at(s, 5, 1e-3, schedule) for s in range(1, 6)], rel=1e-12
+    )
+    assert full[1]["lr"] == pytest.approx(1e-3) and full[5]["lr"] == pytest.approx(1e-4)
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "data", resumed / "data")  # same dataset, no regeneration cost
@@ -69,6 +77,7 @@ def test_resume_after_stop_gives_identical_metrics(tmp_path: Path) -> None:
     again = _deterministic(read_metrics(resumed))
     assert [r["step"] for r in again] == [0, 1, 2, 3, 4, 5]
     assert again == full  # every line, including the ones after the resume point, bit for bit
+    # (the lr too: the schedule is a function of the step, so the resumed run stays on its curve)
     # (no_signal_steps/* too: the watch rebuilt its counts from metrics.jsonl)
 
 
