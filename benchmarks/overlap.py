@@ -16,6 +16,9 @@ the CPU).
 * ``sglang_trainer_actor``: the same engine, fake and delay with the trainer as ONE Ray actor
   (``trainer.world_size: 1`` and a launched ``kind: fake`` server: the scale path's topology),
   so the client in this process no longer shares a GIL with the training step.
+* ``sglang_trainer_pinned`` (``--pairs``; not in the default set): the same with the trainer
+  actor alone on core 0 and everything else on the other cores, what separate hardware gives a
+  real run; unpinned, on 2 cores, the trainer-actor ratio is bimodal with the core placement.
 * ``ray``: the embedded rollout actors of ``examples/tiny-ray.yaml``, by default with ONE trainer
   rank and ONE rollout actor (``--ray-trainers`` / ``--ray-actors``). Rollout and training are
   both CPU work here; with one core per role (this box has two) overlap can use the core the
@@ -38,9 +41,11 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,34 +184,68 @@ def sglang_pair(work: Path, steps: int, measure: bool = True) -> dict[str, Any]:
     return out
 
 
-def sglang_actor_pair(work: Path, steps: int, delay: float) -> dict[str, Any]:
+@contextlib.contextmanager
+def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
+    """Core 0 for the trainer actor, the other cores for everything else (this driver, the fake
+    server, Ray's own processes: they inherit this process's affinity when Ray starts them).
+
+    What separate hardware gives a real run (the trainer on its GPUs, the servers on theirs),
+    emulated on one small machine; without it, on 2 cores, the measured ratio is bimodal as the
+    scheduler happens to put the trainer beside the client or not. Linux only."""
+    everything = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, everything - {0})
+    done = threading.Event()
+    log = run_dir / "logs" / "trainer-0.log"
+
+    def pin() -> None:
+        while not done.is_set():
+            found = (
+                re.search(r"trainer rank 0 pid (\d+)", log.read_text()) if log.is_file() else None
+            )
+            if found:
+                os.sched_setaffinity(int(found.group(1)), {0})
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=pin, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(5)
+        os.sched_setaffinity(0, everything)
+
+
+def sglang_actor_pair(work: Path, steps: int, delay: float, pin: bool = False) -> dict[str, Any]:
     """The sglang pair's engine, fake server and delay, with the trainer as a Ray actor: the
     scale path's topology (``trainer.world_size: 1`` + a launched server makes ``omni-grpo
-    train`` a driver), where the client's HTTP work no longer shares a GIL with training."""
-    out: dict[str, Any] = {"token_delay_s": round(delay, 4)}
+    train`` a driver), where the client's HTTP work no longer shares a GIL with training.
+    ``pin``: the trainer actor alone on core 0 (:func:`trainer_on_its_own_core`)."""
+    out: dict[str, Any] = {"token_delay_s": round(delay, 4), "trainer_pinned": pin}
     launch = (
         "{servers: 1, kind: fake, gpus_per_server: 0, cpus_per_server: 0.5, "
         f"extra_args: [--token-delay-s, '{delay}']}}"
     )
     for staleness in (0, 1):
-        name = f"sglang-actor-{staleness}"
-        out[f"max_staleness_{staleness}"] = run(
-            config(
-                "tiny.yaml",
-                work / name,
-                work / "model",
-                steps,
-                [
-                    "rollout.engine=sglang-omni",
-                    f"rollout.sglang.launch={launch}",
-                    "rollout.sglang.sync_mode=disk",
-                    f"rollout.sglang.sync_dir={work / name / 'sync'}",
-                    f"rollout.max_staleness={staleness}",
-                    "algo.tis={enabled: true, mode: truncate, clip_high: 2.0}",
-                    "ray.cpus_per_trainer=0.5",
-                ],
-            )
+        name = f"sglang-actor{'-pinned' if pin else ''}-{staleness}"
+        cfg = config(
+            "tiny.yaml",
+            work / name,
+            work / "model",
+            steps,
+            [
+                "rollout.engine=sglang-omni",
+                f"rollout.sglang.launch={launch}",
+                "rollout.sglang.sync_mode=disk",
+                f"rollout.sglang.sync_dir={work / name / 'sync'}",
+                f"rollout.max_staleness={staleness}",
+                "algo.tis={enabled: true, mode: truncate, clip_high: 2.0}",
+                "ray.cpus_per_trainer=0.5",
+            ],
         )
+        with trainer_on_its_own_core(work / name) if pin else contextlib.nullcontext():
+            out[f"max_staleness_{staleness}"] = run(cfg)
     return out
 
 
@@ -269,6 +308,9 @@ def main() -> None:
     if "sglang_trainer_actor" in pairs:
         actor = sglang_actor_pair(work, args.steps, sglang["token_delay_s"])
         result["sglang_trainer_actor"] = {**ratios(actor), **actor}
+    if "sglang_trainer_pinned" in pairs:
+        actor = sglang_actor_pair(work, args.steps, sglang["token_delay_s"], pin=True)
+        result["sglang_trainer_pinned"] = {**ratios(actor), **actor}
     if "ray" in pairs:
         ray = ray_pair(work, args.steps, args.ray_trainers, args.ray_actors)
         result["ray"] = {**ratios(ray), **ray}
@@ -281,6 +323,8 @@ def main() -> None:
         steady_ratio=key("sglang", "steady_ratio"),
         sglang_trainer_actor_ratio=key("sglang_trainer_actor", "ratio"),
         sglang_trainer_actor_steady_ratio=key("sglang_trainer_actor", "steady_ratio"),
+        sglang_trainer_pinned_ratio=key("sglang_trainer_pinned", "ratio"),
+        sglang_trainer_pinned_steady_ratio=key("sglang_trainer_pinned", "steady_ratio"),
         ray_ratio=key("ray", "ratio"),
         ray_steady_ratio=key("ray", "steady_ratio"),
         target_ratio=1.6,
