@@ -513,10 +513,8 @@ def _nan_filled_empty() -> Iterator[None]:
     import torch
     import torch.utils.deterministic as det
 
-    prev_det, prev_warn = (
-        torch.are_deterministic_algorithms_enabled(),
-        (torch.is_deterministic_algorithms_warn_only_enabled()),
-    )
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     prev_fill = det.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True

@@ -397,8 +397,7 @@ class TorchBackend:
         Data-parallel: each rank passes its share of the prompts; the token count is all-reduced
         so the update is the single-process one."""
         self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        apply_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         local = torch.tensor([float(sum(len(t) for t in targets)), 0.0], dtype=torch.float64).to(
             self.collective_device
@@ -419,8 +418,7 @@ class TorchBackend:
         if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr
+        apply_lr(self.optimizer, self.cfg.lr)
         local[1] = nll_sum
         nll_sum = float(self._all_reduce(local)[1])
         return nll_sum / max(total_tokens, 1.0)
