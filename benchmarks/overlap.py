@@ -31,7 +31,7 @@ train, weight sync, metrics; no start-up, no evaluation), ``steady`` leaves out 
 ``phases_s`` the mean step, rollout wait, train and weight-sync seconds: in mode 0 the rollout is
 the whole rollout, in mode 1 the part the overlap did not hide. One JSON object.
 
-    uv run python benchmarks/overlap.py [--steps 12] [--pairs sglang,sglang_trainer_actor,ray]
+    uv run python benchmarks/overlap.py [--steps 24] [--pairs sglang,sglang_trainer_actor,ray]
         [--no-ray] [--work DIR]
 """
 
@@ -286,7 +286,7 @@ def ratios(pair: dict[str, Any]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument(
         "--pairs",
         default="sglang,sglang_trainer_actor,ray",
