@@ -24,7 +24,9 @@ the CPU).
   both CPU work here; with one core per role (this box has two) overlap can use the core the
   on-policy loop leaves idle, the way rollout actors on their own GPUs would. With more
   processes than cores (the example's 2 + 2 on 2 cores) there is no idle core and nothing to win.
-  Their rollout time is what the recipe gives (no delay to choose); both phases are printed.
+  The recipe's rollout is about half its train step, so the answer budget
+  (``rollout.sampling.max_new_tokens``) is CHOSEN, by two short calibration runs, so that the
+  on-policy rollout takes as long as the train step (the recipe's own ratio is printed beside it).
 
 Per engine and mode: samples/s = samples trained / sum of ``time/step_s`` (data, rollout wait,
 train, weight sync, metrics; no start-up, no evaluation), ``steady`` leaves out step 1, and
@@ -55,6 +57,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS_PER_SAMPLE = 2  # a letter and <|im_end|> (the fake's letter answers)
+RAY_PROBE_TOKENS = (3, 12)  # the recipe's answer budget, and a longer one (ray pair calibration)
+RAY_MAX_TOKENS = 64
 
 
 def config(config: str, run_dir: Path, model_dir: Path, steps: int, extra: list[str]) -> Any:
@@ -250,21 +254,51 @@ def sglang_actor_pair(work: Path, steps: int, delay: float, pin: bool = False) -
 
 
 def ray_pair(work: Path, steps: int, trainers: int, actors: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"trainer_ranks": trainers, "rollout_actors": actors}
-    for staleness in (0, 1):
-        out[f"max_staleness_{staleness}"] = run(
-            config(
-                "tiny-ray.yaml",
-                work / f"ray-{staleness}",
-                work / "model",
-                steps,
-                [
-                    f"rollout.max_staleness={staleness}",
-                    f"trainer.world_size={trainers}",
-                    f"rollout.embedded.actors={actors}",
-                ],
-            )
+    """The embedded rollout actors with their generation length CHOSEN so that the on-policy
+    rollout takes as long as the train step, as the fake's token delay is for the sglang pairs.
+
+    On the demo recipe (answers of <= 3 tokens) an actor's rollout is about half the train
+    step, so overlap could win at most ~1.45x there: not the case the issue asks about. Two short
+    on-policy runs (the recipe's ``max_new_tokens`` and a longer one) measure the rollout's fixed
+    cost and its cost per generated token (no format warm-up: the random policy's answers run to
+    the budget, so every sample generates exactly ``max_new_tokens`` tokens unless it emits EOS);
+    the budget that makes rollout = train is then measured in both modes. The recipe's own
+    rollout / train is reported beside it (``calibration``)."""
+
+    def cfg(name: str, staleness: int, n_steps: int, tokens: int | None) -> Any:
+        return config(
+            "tiny-ray.yaml",
+            work / name,
+            work / "model",
+            n_steps,
+            [
+                f"rollout.max_staleness={staleness}",
+                f"trainer.world_size={trainers}",
+                f"rollout.embedded.actors={actors}",
+                *([f"rollout.sampling.max_new_tokens={tokens}"] if tokens else []),
+            ],
         )
+
+    short, long = RAY_PROBE_TOKENS
+    probe_short = run(cfg("ray-calibrate-short", 0, 4, short))["phases_s"]
+    probe_long = run(cfg("ray-calibrate-long", 0, 4, long))["phases_s"]
+    per_token = max(1e-6, (probe_long["rollout"] - probe_short["rollout"]) / (long - short))
+    train_s = (probe_short["train"] + probe_long["train"]) / 2
+    tokens = int(round(short + (train_s - probe_short["rollout"]) / per_token))
+    tokens = max(1, min(RAY_MAX_TOKENS, tokens))
+    out: dict[str, Any] = {
+        "trainer_ranks": trainers,
+        "rollout_actors": actors,
+        "max_new_tokens": tokens,
+        "calibration": {
+            "recipe_max_new_tokens": short,
+            "recipe_rollout_over_train": round(probe_short["rollout"] / probe_short["train"], 3),
+            "rollout_s_per_token": round(per_token, 4),
+            "train_s": round(train_s, 4),
+        },
+    }
+    for staleness in (0, 1):
+        out[f"max_staleness_{staleness}"] = run(cfg(f"ray-{staleness}", staleness, steps, tokens))
     return out
 
 
