@@ -24,6 +24,7 @@ on a shared 2-core box moves with other people's load, so the CPU time of the ch
 from ``wait4``) is reported next to it.
 
     uv run python benchmarks/demo_seeds.py [--seeds 0-4] [--threads 1,2] [--baseline main]
+        [--set rollout.max_staleness=1 ...]
 
 Not a test: it takes minutes per run. ``--work DIR`` keeps the run directories.
 """
@@ -228,6 +229,13 @@ def main() -> None:
     ap.add_argument("--baseline-seeds", default="0", help="'' skips the baseline runs")
     ap.add_argument("--baseline-threads", default="1,2")
     ap.add_argument("--work", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="extra override for the recipe runs, e.g. rollout.max_staleness=1 (repeatable)",
+    )
     args = ap.parse_args()
 
     seeds, threads = parse_ints(args.seeds), parse_ints(args.threads)
@@ -250,7 +258,7 @@ def main() -> None:
     interrupted = False
     try:
         for kind, s, t in order:
-            extra = BASELINES[args.baseline] if kind == "baseline" else ()
+            extra = BASELINES[args.baseline] if kind == "baseline" else tuple(args.overrides)
             r = run_one(args.config, work, f"{kind}_s{s}_t{t}", s, t, extra)
             runs[kind].append(r)
             print(json.dumps({kind: r}), file=sys.stderr, flush=True)
@@ -288,6 +296,7 @@ def main() -> None:
                 "target": TARGET,
                 "baseline": args.baseline,
                 "baseline_overrides": list(BASELINES[args.baseline]),
+                "recipe_overrides": args.overrides,
                 "interrupted": interrupted,
                 "planned_runs": len(order),
                 "all_pass": bool(runs["recipe"]) and all(r.get("pass") for r in runs["recipe"]),
