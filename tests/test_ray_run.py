@@ -274,6 +274,51 @@ def test_sglang_engine_against_launched_fake_servers(tmp_path: Path, sync_mode: 
         assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want), rank
 
 
+@pytest.mark.parametrize("engine", ["embedded", "sglang-omni"])
+def test_one_step_ahead_on_ray(tmp_path: Path, engine: str) -> None:
+    """``rollout.max_staleness: 1`` on the Ray paths: the trainer as a Ray actor with embedded
+    rollout actors, or with the sglang-omni engine against a launched fake server. Step 1 is
+    on-policy; a rollout actor serves one call at a time, so its later batches are exactly one
+    version old; a server's in-flight samples may finish under the new weights (0 or 1 old)."""
+    run = tmp_path / "run"
+    rollout: dict[str, Any] = {"max_staleness": 1, "prompts_per_step": 2, "n_samples": 2}
+    if engine == "embedded":
+        rollout["embedded"] = {"actors": 1}
+    else:
+        rollout |= {
+            "engine": "sglang-omni",
+            "embedded": {"actors": 0},
+            "sglang": {
+                "sync_mode": "disk",
+                "launch": {"servers": 1, "kind": "fake", "gpus_per_server": 0},
+            },
+        }
+    cfg = write_config(
+        tmp_path,
+        f"ahead-{engine}",
+        {
+            "run": {"dir": str(run), "steps": 3, "save_every": 0, "plots": False},
+            "eval": {"every": 0},
+            "data": {"synthetic": {"n_train": 8, "n_eval": 2}},
+            "trainer": {"world_size": 1, "warmup": None},
+            "rollout": rollout,
+            "algo": {"tis": {"enabled": True, "mode": "icepop"}},
+        },
+    )
+    res = CliRunner().invoke(main, ["train", "--config", str(cfg), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["staleness/frac_over_bound"] == 0.0
+        assert r["staleness/frac_0"] + r["staleness/frac_1"] == pytest.approx(1.0)
+    assert records[0]["staleness/frac_0"] == 1.0
+    if engine == "embedded":
+        assert [r["staleness/frac_1"] for r in records[1:]] == [1.0, 1.0]
+    else:
+        assert any(r["staleness/frac_1"] > 0 for r in records[1:])
+
+
 class _Raises:
     """An actor whose method raises, logging first (as the real actors do, into its file)."""
 
