@@ -34,7 +34,7 @@ train, weight sync, metrics; no start-up, no evaluation), ``steady`` leaves out 
 the whole rollout, in mode 1 the part the overlap did not hide. One JSON object.
 
     uv run python benchmarks/overlap.py [--steps 24] [--pairs sglang,sglang_trainer_actor,ray]
-        [--no-ray] [--work DIR]
+        [--no-ray] [--work DIR] [--set trainer.device=cuda ...]
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENS_PER_SAMPLE = 2  # a letter and <|im_end|> (the fake's letter answers)
 RAY_PROBE_TOKENS = (3, 12)  # the recipe's answer budget, and a longer one (ray pair calibration)
 RAY_MAX_TOKENS = 64
+OVERRIDES: list[str] = []  # --set: extra overrides for every run (e.g. trainer.device=cuda)
 
 
 def config(config: str, run_dir: Path, model_dir: Path, steps: int, extra: list[str]) -> Any:
@@ -78,6 +79,7 @@ def config(config: str, run_dir: Path, model_dir: Path, steps: int, extra: list[
             "trainer.warmup=null",
             "eval.every=0",
             *extra,
+            *OVERRIDES,
         ],
     )
 
@@ -330,12 +332,24 @@ def main() -> None:
     parser.add_argument("--ray-trainers", type=int, default=1)
     parser.add_argument("--ray-actors", type=int, default=1)
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="override for every run, e.g. trainer.device=cuda or trainer.backend=megatron",
+    )
     args = parser.parse_args()
+    OVERRIDES.extend(args.overrides)
     os.environ.setdefault("OMNI_GRPO_TORCH_THREADS", "1")
     work = args.work or Path(tempfile.mkdtemp(prefix="overlap-bench-"))
     t0 = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
-    result: dict[str, Any] = {"benchmark": "overlap", "steps": args.steps}
+    result: dict[str, Any] = {
+        "benchmark": "overlap",
+        "steps": args.steps,
+        "overrides": args.overrides,
+    }
     pairs = {"sglang"} if args.no_ray else set(args.pairs.split(","))
     sglang = sglang_pair(work, args.steps, measure="sglang" in pairs)
     result["sglang"] = {**ratios(sglang), **sglang} if "sglang" in pairs else sglang

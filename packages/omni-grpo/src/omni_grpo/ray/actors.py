@@ -70,16 +70,40 @@ class TrainerActor:
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.backend: Any = None
+        self._store: Any = None  # rank 0: the rendezvous store it hosts (see ``address``)
 
     def ping(self) -> int:
         return os.getpid()
 
+    def _in_group(self) -> bool:
+        """Whether this rank joins a process group (several ranks, or Megatron's parallel state)."""
+        return self.world_size > 1 or self.cfg.trainer.backend == "megatron"
+
     def address(self) -> tuple[str, int]:
-        """(node IP, a free port on it): rank 0 hosts the process group's rendezvous."""
+        """(node IP, port) of the process group's rendezvous, which rank 0 hosts.
+
+        The store is bound here, on a port the OS picks, and kept open until ``setup``: a port
+        that was merely free when asked could be taken before the store bound it (on an H200 host
+        a Megatron rank's start-up failed with EADDRINUSE while Ray was starting processes)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
         from omni_grpo.serve import free_port
 
         ip = node_address()
-        return ip, free_port(ip)
+        if not self._in_group():
+            return ip, free_port(ip)  # no group: the port is only passed on in the environment
+        if self._store is None:
+            self._store = dist.TCPStore(
+                ip,
+                0,
+                self.world_size,
+                is_master=True,
+                timeout=timedelta(seconds=self.cfg.ray.start_timeout_s * 4),
+                wait_for_workers=False,
+            )
+        return ip, int(self._store.port)
 
     def setup(self, env: dict[str, str], pad_token_id: int) -> dict[str, Any]:
         """Join the trainer's process group and build the backend; returns facts for the driver."""
@@ -96,12 +120,15 @@ class TrainerActor:
         device = resolve_device(self.cfg.trainer.device)
         if device.type == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
-        if self.world_size > 1 or self.cfg.trainer.backend == "megatron":
+        if self._in_group():
+            # rank 0 uses the store it bound in ``address``; the others reach it through the
+            # environment (MASTER_ADDR / MASTER_PORT), as torchrun's workers would
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo",
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timedelta(seconds=self.cfg.ray.start_timeout_s * 4),
+                **({"store": self._store} if self._store is not None else {}),
             )
         seed_everything(self.cfg.run.seed)
         cfg = self.cfg
