@@ -20,6 +20,9 @@ instead of starting its own); each run starts and ends its own actors.
   ``omni-grpo serve`` code path). Weight sync runs both ways: ``disk``, and ``distributed`` over
   a real gloo group into receiver processes in each server. The distributed run checks that the
   last push carried exactly the final checkpoint's weights under server names.
+* ``test_one_step_ahead_on_ray``: ``rollout.max_staleness: 1`` with the trainer as a Ray actor and
+  embedded rollout actors (every batch after the first exactly one version old) or a launched fake
+  server (0 or 1 old); staleness histogram in ``metrics.jsonl``, step 1 on-policy.
 * ``test_an_exception_in_an_actor_is_one_line_with_its_log``: an actor that raises (rather than
   dies) gives the same one-line error, with the exception and the actor's last log lines.
 """

@@ -121,14 +121,26 @@ class TrainerActor:
         if device.type == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
         if self._in_group():
-            # rank 0 uses the store it bound in ``address``; the others reach it through the
-            # environment (MASTER_ADDR / MASTER_PORT), as torchrun's workers would
+            # Every rank hands init_process_group a store: rank 0 the one it bound in
+            # ``address``, the others a client of it. (Left to ``env://``, torch would put its
+            # own key prefix on a store it built and none on one it was given: the ranks would
+            # wait for each other under different keys.)
+            timeout = timedelta(seconds=self.cfg.ray.start_timeout_s * 4)
+            store = self._store
+            if store is None:
+                store = dist.TCPStore(
+                    env["MASTER_ADDR"],
+                    int(env["MASTER_PORT"]),
+                    self.world_size,
+                    is_master=False,
+                    timeout=timeout,
+                )
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo",
+                store=store,
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=timedelta(seconds=self.cfg.ray.start_timeout_s * 4),
-                **({"store": self._store} if self._store is not None else {}),
+                timeout=timeout,
             )
         seed_everything(self.cfg.run.seed)
         cfg = self.cfg
