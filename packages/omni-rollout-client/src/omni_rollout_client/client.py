@@ -383,16 +383,12 @@ class OmniRolloutClient:
                     if generation:
                         await self._not_reaping()
                         self._in_flight += 1
+                    request_headers = {**headers, **(headers_for_body or {})}
                     try:
                         with pool as http:
                             if limited and chunks is not None:
                                 response = await self._send_direct(
-                                    http,
-                                    method,
-                                    route,
-                                    content,
-                                    {**headers, **(headers_for_body or {})},
-                                    timeout,
+                                    http, method, route, content, request_headers, timeout
                                 )
                             else:
                                 response = await http.request(
@@ -400,7 +396,7 @@ class OmniRolloutClient:
                                     route,
                                     content=content,
                                     json=json_body if chunks is None else None,
-                                    headers={**headers, **(headers_for_body or {})},
+                                    headers=request_headers,
                                     timeout=timeout,
                                 )
                     except (asyncio.CancelledError, *_ORPHANING_ERRORS):
@@ -448,7 +444,7 @@ class OmniRolloutClient:
         method: str,
         route: str,
         content: AsyncIterator[bytes],
-        headers: Mapping[str, str] | None,
+        headers: Mapping[str, str],
         timeout: httpx.Timeout,
     ) -> httpx.Response:
         """One /generate attempt through the transport ``http`` would pick for the URL (its
@@ -468,7 +464,7 @@ class OmniRolloutClient:
             method,
             url,
             content=content,
-            headers={**_DIRECT_HEADERS, **(headers or {})},
+            headers={**_DIRECT_HEADERS, **headers},
             extensions={"timeout": timeout.as_dict()},
         )
         response = await http._transport_for_url(url).handle_async_request(request)
