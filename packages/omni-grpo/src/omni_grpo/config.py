@@ -432,6 +432,12 @@ class LoraConfig(_Strict):
     targets: list[Literal["attention", "experts", "visual", "lm_head"]] = Field(
         default_factory=lambda: ["attention", "experts"], min_length=1
     )
+    expert_path: Literal["grouped", "peft"] = Field(
+        "grouped",
+        description="experts LoRA compute: 'grouped' low-rank GEMMs over the routed tokens "
+        "(omni_grpo.models.grouped_experts), or peft's parametrisation, which rebuilds "
+        "W + scale*B*A of every expert at each forward (kept for comparison)",
+    )
 
     @field_validator("targets")
     @classmethod

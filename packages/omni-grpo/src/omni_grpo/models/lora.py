@@ -3,8 +3,10 @@
 Why peft and not our own layers: peft is the kept library (what TRL users already load), and
 since 0.17 it adapts raw ``nn.Parameter``s (``target_parameters``), which is what the fused MoE
 experts of Qwen3-VL-MoE are (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``): one rank-r
-``A``/``B`` pair per expert, applied as a parametrisation ``W + scale * B_e A_e`` during the
-forward, so the experts' kernel (eager or grouped_mm) runs unchanged.
+``A``/``B`` pair per expert. peft applies them as a parametrisation ``W + scale * B_e A_e``
+rebuilt at every forward; ``trainer.lora.expert_path: grouped`` (the default) keeps peft's
+modules and format but computes ``x W_e + scale * (x A_e^T) B_e^T`` with grouped GEMMs
+(``omni_grpo.models.grouped_experts``).
 
 The adapters are injected into the VL wrapper (``thinker.vl``, a transformers model, which
 peft's parameter targeting needs) in place: the thinker's children are the VL model's own, so the
@@ -85,6 +87,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
     # fp32 adapters on a bf16 base, as PeftModel does (autocast_adapter_dtype): AdamW steps of
     # lr 1e-5 on bf16 weights would mostly round away; inject_adapter_in_model leaves them bf16.
     cast_adapter_dtype(vl, adapter_name=ADAPTER, autocast_adapter_dtype=True)
+    if cfg.expert_path == "grouped":  # peft's expert parametrisation, computed without W + BA
+        from omni_grpo.models.grouped_experts import use_grouped_lora_experts
+
+        use_grouped_lora_experts(vl)
     if vl is not model and getattr(model, "lm_head", None) is not vl.lm_head:
         model.lm_head = vl.lm_head  # the wrapper replaced its attribute; the thinker follows
     for name, p in model.named_parameters():  # peft leaves the rest frozen; make sure

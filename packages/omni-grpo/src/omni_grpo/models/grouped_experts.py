@@ -1,0 +1,196 @@
+"""LoRA on the fused MoE experts without materialising ``W + scale * B A``: grouped low-rank GEMMs.
+
+Why our own module: peft (0.21.2, the newest release) adapts the fused expert tensors
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) through ``target_parameters``, a
+parametrisation that rebuilds ``W_e + scale * B_e A_e`` for all 128 experts of a layer at every
+forward — decode steps included, where a step needs a few rows per expert. On one H200 at the
+released depth that made LoRA generation 3.7x slower than attention-only LoRA (issue 27). Here the
+experts compute ``x W_e + scale * (x A_e^T) B_e^T`` per routed (token, expert) pair with grouped
+GEMMs over the tokens sorted by expert: the base GEMM reads each hit expert's weight once and the
+adapter GEMMs are rank-16, in generation, in the training forward and (through autograd) in its
+backward.
+
+peft stays the adapter format: this is a subclass of peft's ``ParamWrapper`` swapped onto the
+outer wrapper of each experts module (``__class__`` only: same parameters, names, state dict,
+``get_delta_weight``, merge and the ``disable_adapters`` toggle), so checkpoints, ``PeftModel``
+loading, merged sync and export are untouched. Whenever the adapters are disabled, merged, or
+not exactly our one adapter, it defers to peft's own forward.
+
+The low-rank factors follow peft's layout (``get_delta_weight``): ``lora_A.weight`` is
+``[E * r, in]`` read as ``(E, r, in)`` and ``lora_B.weight`` is ``[out, r * E]`` read as
+``(out, r, E)``, with ``in`` the dimension contracted with ``x`` in either expert layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # the one peft adapter omni_grpo.models.lora creates
+_GROUPED_CLASS: type | None = None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[rows of group g] = x[rows of group g] @ w[g]`` with ``offs`` the groups' cumulative ends.
+
+    CUDA bf16: torch's grouped GEMM (one launch, no host sync: CUDA-graph capturable). Elsewhere
+    (the CPU tests, fp32) a loop over the groups, which reads the offsets back to the host.
+    """
+    if x.is_cuda and w.dtype == torch.bfloat16:
+        fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+        return fn(x.to(w.dtype), w, offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[-1], dtype=torch.promote_types(x.dtype, w.dtype))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = x[start:end].to(out.dtype) @ w[g].to(out.dtype)
+        start = end
+    return out
+
+
+def _factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(A^T (E, in, r), B^T (E, r, out), scale)`` of one peft ``ParamWrapper`` in ``dtype``.
+
+    Without grad (generation) the casted, contiguous factors are cached on the wrapper until the
+    adapter weights change (their ``_version`` moves at every optimizer step): a decode step then
+    reads them as bf16 once instead of casting the fp32 adapters at every layer call; the cache
+    also keeps their addresses fixed for a CUDA-graph replay.
+    """
+    a_w = wrapper.lora_A[ADAPTER].weight
+    b_w = wrapper.lora_B[ADAPTER].weight
+    key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
+    cached = getattr(wrapper, "_omni_grouped_cache", None)
+    if not torch.is_grad_enabled() and cached is not None and cached[0] == key:
+        return cached[1]
+    experts = wrapper.num_experts
+    a_t = a_w.reshape(experts, -1, a_w.shape[-1]).transpose(1, 2).to(dtype)  # (E, in, r)
+    b_t = b_w.reshape(b_w.shape[0], -1, experts).permute(2, 1, 0).to(dtype)  # (E, r, out)
+    # grouped GEMM operands must be row- or column-major per group: B^T's permute is neither
+    factors = (a_t, b_t.contiguous(), float(wrapper.scaling[ADAPTER]))
+    if not torch.is_grad_enabled():
+        object.__setattr__(wrapper, "_omni_grouped_cache", (key, factors))
+    return factors
+
+
+def _lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    offs: torch.Tensor,
+    lora: tuple[torch.Tensor, torch.Tensor, float] | None,
+) -> torch.Tensor:
+    """``x W_e (+ scale * (x A_e^T) B_e^T)`` for rows grouped by expert."""
+    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs)
+    if lora is not None:
+        a_t, b_t, scale = lora
+        out = out + scale * grouped_mm(grouped_mm(x, a_t, offs), b_t, offs)
+    return out
+
+
+def grouped_lora_experts_forward(
+    experts: nn.Module,
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor, float] | None],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The fused experts' forward (transformers' routing contract) with grouped low-rank adapters.
+
+    Tokens are sorted by expert, the offsets counted with ``histc`` (no host sync), every
+    projection is one grouped GEMM plus, where adapted, two rank-r grouped GEMMs; the routing
+    weights are applied per pair and the ``top_k`` outputs of a token summed in fp32 — the order
+    transformers' ``grouped_mm`` experts path uses.
+    """
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    num_experts = experts.gate_up_proj.shape[0]
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[perm // top_k]
+    pair_weights = top_k_weights.reshape(-1)[perm]
+    counts_in = expert_ids.int() if hidden_states.is_cuda else expert_ids.float()
+    counts = torch.histc(counts_in, bins=num_experts, min=0, max=num_experts - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    dtype = experts.gate_up_proj.dtype
+    x = x.to(dtype)
+    gate_up = _lora_linear(x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if apply_gate is not None:
+        h = apply_gate(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = experts.act_fn(gate) * up
+    out = _lora_linear(h.to(dtype), experts.down_proj, transposed, offs, lora.get("down_proj"))
+    out = out * pair_weights.unsqueeze(-1).to(out.dtype)
+    unsorted = torch.empty_like(out)
+    unsorted[perm] = out
+    total = unsorted.view(num_tokens, top_k, hidden).float().sum(dim=1)
+    return total.to(hidden_states.dtype)
+
+
+def _grouped_class() -> type:
+    """The ``ParamWrapper`` subclass (built on first use: peft is imported lazily)."""
+    global _GROUPED_CLASS
+    if _GROUPED_CLASS is not None:
+        return _GROUPED_CLASS
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class GroupedLoraExperts(ParamWrapper):
+        """peft's outer ``ParamWrapper`` of a fused experts module, computing grouped low-rank."""
+
+        def _grouped_chain(self) -> tuple[nn.Module, dict[str, Any]] | None:
+            """The experts module and its active wrappers by parameter name, or None when peft's
+            own forward must run (adapters disabled or merged, another adapter active)."""
+            wrappers: dict[str, Any] = {}
+            layer: nn.Module = self
+            while isinstance(layer, ParamWrapper):
+                if (
+                    layer.disable_adapters
+                    or layer.merged
+                    or list(layer.active_adapters) != [ADAPTER]
+                    or ADAPTER not in layer.lora_A
+                ):
+                    return None
+                wrappers[layer.parameter_name] = layer
+                layer = layer.base_layer
+            if not hasattr(layer, "gate_up_proj") or not hasattr(layer, "down_proj"):
+                return None
+            if set(wrappers) - {"gate_up_proj", "down_proj"}:
+                return None
+            return layer, wrappers
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            chain = self._grouped_chain() if not kwargs.get("adapter_names") else None
+            if chain is None or len(args) + len(kwargs) != 2:
+                return super().forward(x, *args, **kwargs)
+            experts, wrappers = chain
+            top_k_index = kwargs.get("top_k_index", args[0] if args else None)
+            top_k_weights = kwargs.get("top_k_weights", args[1] if len(args) > 1 else None)
+            dtype = experts.gate_up_proj.dtype
+            lora = {name: _factors(w, dtype) for name, w in wrappers.items()}
+            return grouped_lora_experts_forward(experts, lora, x, top_k_index, top_k_weights)
+
+    _GROUPED_CLASS = GroupedLoraExperts
+    return GroupedLoraExperts
+
+
+def use_grouped_lora_experts(model: nn.Module) -> int:
+    """Swap the class of every experts module's outer peft wrapper; returns how many were swapped."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    cls = _grouped_class()
+    inner_wrappers: set[int] = set()  # wrapped by another ParamWrapper: the outer one computes
+    swapped = 0
+    for _, module in model.named_modules():  # pre-order: an outer wrapper comes before its inner
+        if not isinstance(module, ParamWrapper) or id(module) in inner_wrappers:
+            continue
+        inner: nn.Module = module.base_layer
+        while isinstance(inner, ParamWrapper):
+            inner_wrappers.add(id(inner))
+            inner = inner.base_layer
+        if hasattr(inner, "gate_up_proj") and hasattr(inner, "down_proj"):
+            module.__class__ = cls
+            swapped += 1
+    return swapped

@@ -1,0 +1,114 @@
+"""Grouped low-rank experts (issue 27) equal peft's parametrisation: fp32 forward and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omni_grpo.config import LoraConfig
+from omni_grpo.models.grouped_experts import grouped_mm
+from omni_grpo.models.lora import adapters_disabled, apply_lora, lora_layers, merged_weights
+
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    from omni_grpo.testing.rollouts import rollout_world
+
+    return rollout_world(tmp_path_factory.mktemp("grouped"), max_new_tokens=3)
+
+
+def _adapted(world: dict, path: str) -> torch.nn.Module:
+    """The tiny thinker with LoRA on attention + experts, B drawn non-zero (same for every path)."""
+    model = copy.deepcopy(world["base"]).float()
+    torch.manual_seed(0)
+    apply_lora(model, LoraConfig(rank=4, alpha=8, targets=["attention", "experts"], expert_path=path))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def _loss_and_grads(model: torch.nn.Module, world: dict) -> tuple[torch.Tensor, dict]:
+    c = world["groups"][0][0]
+    ids = torch.tensor([c.prompt.input_ids + c.token_ids] * 2)
+    model.train()
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **_mm(c, 2)).logits
+    (logits.float().square().mean()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _mm(completion: object, n: int) -> dict:
+    from omni_grpo.data.collate import repeat_mm
+
+    return repeat_mm(completion.prompt.mm, n)
+
+
+def test_grouped_class_is_swapped_only_on_the_experts(world: dict) -> None:
+    model = _adapted(world, "grouped")
+    kinds = {type(m).__name__ for n, m in lora_layers(model) if n.endswith("mlp.experts")}
+    assert kinds == {"GroupedLoraExperts"}
+    inner = [m for n, m in lora_layers(model) if n.endswith("mlp.experts.base_layer")]
+    assert inner and all(type(m).__name__ == "ParamWrapper" for m in inner)
+
+
+def test_forward_and_gradients_equal_peft_parametrisation(world: dict) -> None:
+    grouped, peft_path = _adapted(world, "grouped"), _adapted(world, "peft")
+    names = {n for n, p in grouped.named_parameters() if p.requires_grad}
+    assert names == {n for n, p in peft_path.named_parameters() if p.requires_grad}
+    logits_g, grads_g = _loss_and_grads(grouped, world)
+    logits_p, grads_p = _loss_and_grads(peft_path, world)
+    assert (logits_g - logits_p).abs().max() <= TOL * max(1.0, float(logits_p.abs().max()))
+    expert_grads = [n for n in grads_p if "experts" in n]
+    assert expert_grads and set(grads_g) == set(grads_p)
+    for name, g in grads_p.items():
+        scale = max(1.0, float(g.abs().max()))
+        assert (grads_g[name] - g).abs().max() <= TOL * scale, name
+    # not trivially equal: the adapters move the logits away from the base
+    with torch.no_grad(), adapters_disabled(grouped):
+        grouped.eval()
+        c = world["groups"][0][0]
+        ids = torch.tensor([c.prompt.input_ids + c.token_ids] * 2)
+        base = grouped(input_ids=ids, attention_mask=torch.ones_like(ids), **_mm(c, 2)).logits
+    assert (base - logits_g).abs().max() > 1e-3
+
+
+def test_merged_weights_unchanged_by_the_expert_path(world: dict) -> None:
+    grouped, peft_path = _adapted(world, "grouped"), _adapted(world, "peft")
+    merged_g, merged_p = merged_weights(grouped), merged_weights(peft_path)
+    assert merged_g.keys() == merged_p.keys()
+    for name in merged_p:
+        assert torch.equal(merged_g[name], merged_p[name]), name
+
+
+def test_no_grad_cache_follows_adapter_updates(world: dict) -> None:
+    """Generation caches the casted factors; an in-place optimizer step must invalidate them."""
+    grouped = _adapted(world, "grouped")
+    c = world["groups"][0][0]
+    ids = torch.tensor([c.prompt.input_ids + c.token_ids])
+    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **_mm(c, 1)}
+    grouped.eval()
+    with torch.no_grad():
+        before = grouped(**kw).logits  # fills the cache
+        for name, p in grouped.named_parameters():
+            if "experts" in name and ".lora_B" in name:
+                p.add_(0.5)  # in place, as AdamW's step
+        cached = grouped(**kw).logits
+    fresh = grouped(**kw).logits.detach()  # grad enabled: factors recomputed, never cached
+    assert torch.equal(cached, fresh)
+    assert (cached - before).abs().max() > 1e-3
+
+
+def test_grouped_mm_fallback_matches_per_group_matmul() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 6, generator=gen)
+    w = torch.randn(4, 6, 5, generator=gen)
+    offs = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # group 1 empty
+    out = grouped_mm(x, w, offs)
+    expect = torch.cat([x[:3] @ w[0], x[3:7] @ w[2], x[7:] @ w[3]])
+    assert torch.allclose(out, expect, atol=1e-6)
