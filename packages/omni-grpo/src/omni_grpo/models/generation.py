@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from omni_grpo.models.decode_attention import decode_attention
 from omni_grpo.models.thinker import cache_arg_name
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class StaticDecoder:
         first: tuple[torch.Tensor, torch.Tensor],
         max_new_tokens: int,
         sample: dict[str, Any],
+        repeats: int = 1,
     ) -> None:
         lm = thinker.model.language_model
         self.embed, self.layers, self.norm, self.rotary = (
@@ -174,21 +176,24 @@ class StaticDecoder:
         self.lm_head = thinker.lm_head
         self.sample = sample
         self.cache_kw = cache_arg_name(self.layers[0].forward)
+        # ``repeats``: the prefill ran once per prompt; each of its rows becomes ``repeats``
+        # consecutive decode rows (the same KV, mask and positions: exact by construction)
+        attention_mask = attention_mask.repeat_interleave(repeats, 0)
         batch, prompt_len = attention_mask.shape
         total = prompt_len + max_new_tokens
         device = attention_mask.device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         for k, v in _layer_tensors(cache):
-            kb = k.new_zeros(*k.shape[:2], total, k.shape[3])
-            vb = v.new_zeros(*v.shape[:2], total, v.shape[3])
-            kb[:, :, :prompt_len] = k
-            vb[:, :, :prompt_len] = v
+            kb = k.new_zeros(batch, k.shape[1], total, k.shape[3])
+            vb = v.new_zeros(batch, v.shape[1], total, v.shape[3])
+            kb[:, :, :prompt_len] = k.repeat_interleave(repeats, 0)
+            vb[:, :, :prompt_len] = v.repeat_interleave(repeats, 0)
             self.keys.append(kb)
             self.values.append(vb)
         self.mask = torch.zeros(batch, total, dtype=torch.bool, device=device)
         self.mask[:, :prompt_len] = attention_mask.bool()
-        deltas = thinker.rope_deltas.to(device)
+        deltas = thinker.rope_deltas.to(device).repeat_interleave(repeats, 0)
         self.pos0 = attention_mask.long().sum(-1, keepdim=True) + deltas  # [B, 1]
         self.fed = torch.zeros(1, dtype=torch.long, device=device)
         self.slot = torch.full((1,), prompt_len, dtype=torch.long, device=device)
@@ -267,6 +272,7 @@ def generate(
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
     cuda_graph: bool | None = None,
+    repeats: int = 1,
     **media: Any,
 ) -> GenerationResult:
     """Sample up to ``max_new_tokens`` per row; ``media`` are the Omni forward's media kwargs.
@@ -277,9 +283,15 @@ def generate(
     ``cuda_graph`` (default: on CUDA when sampling from the global RNG, unless
     ``OMNI_GRPO_CUDA_GRAPH=0``) replays the decode step as a CUDA graph; a private ``generator``
     keeps eager steps, since a graph replays only the global generator's stream.
+
+    ``repeats``: sample that many completions of every prompt row (rows ``i * repeats + j`` of
+    the result). The prompt, its media towers included, is prefilled once and its KV cache
+    copied to the repeats: a GRPO group costs one prefill, not ``repeats``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = thinker.device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -310,19 +322,24 @@ def generate(
             logits_to_keep=1,
             **media,
         )
-        first = sample_step(out.logits[:, -1, :], **sample)
+        first = sample_step(out.logits[:, -1, :].repeat_interleave(repeats, 0), **sample)
         cache = getattr(out, "cache", None)
         cache = cache if cache is not None else out.past_key_values
-        decoder = StaticDecoder(thinker, cache, attention_mask, first, max_new_tokens, sample)
+        decoder = StaticDecoder(
+            thinker, cache, attention_mask, first, max_new_tokens, sample, repeats=repeats
+        )
         del out, cache
         steps = 1  # tokens recorded so far
-        if cuda_graph and max_new_tokens > 3:
-            steps += decoder.capture()  # falls back to eager steps if the step cannot be captured
-        while steps < max_new_tokens:
-            if steps % STOP_CHECK_EVERY == 0 and _all_stopped(decoder.tokens[:, :steps], stop):
-                break
-            decoder.replay()
-            steps += 1
+        with decode_attention(decoder.layers):
+            if cuda_graph and max_new_tokens > 3:
+                steps += decoder.capture()  # eager steps if the step cannot be captured
+            while steps < max_new_tokens:
+                if steps % STOP_CHECK_EVERY == 0 and _all_stopped(
+                    decoder.tokens[:, :steps], stop
+                ):
+                    break
+                decoder.replay()
+                steps += 1
         tokens, logprobs = decoder.tokens[:, :steps], decoder.logprobs[:, :steps]
         del decoder
     finally:

@@ -6,10 +6,11 @@ backend optimises, so after ``optimizer.step()`` the next rollout already uses t
 
 Sampling is ``omni_grpo.models.generation.generate`` — the project's one sampler (logprob
 convention, top-k/top-p, banned ids, static-KV decode replayed as a CUDA graph on GPU). Every
-group of a step goes into ONE generation batch: the prompts are left-padded to a common length,
-each repeated ``n`` times, and their media collated, so a step costs one prefill and
-``max_new_tokens`` decode steps whatever the number of prompts (batches are split only above
-``max_batch_rows`` rows). The logprob of each sampled token is taken from the same (temperature
+group of a step goes into ONE generation batch: the prompts are left-padded to a common length and
+their media collated; each prompt is prefilled once (its vision/audio towers run once, not once
+per sample) and its KV cache copied to the group's ``n`` decode rows, so a step costs one
+prefill over the distinct prompts and ``max_new_tokens`` decode steps over all samples
+(batches are split only above ``max_batch_rows`` rows). The logprob of each sampled token is taken from the same (temperature
 scaled) distribution it was drawn from, which is what the trainer recomputes without a cache, so
 their difference measures the cache/padding/numerics mismatch only.
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from omni_grpo.data.collate import collate_mm, repeat_mm
+from omni_grpo.data.collate import collate_mm
 from omni_grpo.models.generation import generate
 from omni_grpo.types import Completion, PromptInputs, SamplingParams
 
@@ -108,13 +109,14 @@ class EmbeddedEngine:
         self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:
         width = max(len(p.input_ids) for p in prompts)
-        ids = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            rows = slice(i * n, (i + 1) * n)
-            ids[rows, width - len(p.input_ids) :] = torch.tensor(p.input_ids)
-            mask[rows, width - len(p.input_ids) :] = 1
-        mm = collate_mm([repeat_mm(p.mm, n) for p in prompts if p.mm])
+            ids[i, width - len(p.input_ids) :] = torch.tensor(p.input_ids)
+            mask[i, width - len(p.input_ids) :] = 1
+        # one row per prompt: generate() prefills it (media towers included) once and samples
+        # its n completions from copies of that KV cache
+        mm = collate_mm([p.mm for p in prompts if p.mm])
         stop = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         with self._autocast():
             result = generate(
@@ -128,6 +130,7 @@ class EmbeddedEngine:
                 stop_token_ids=stop,
                 suppress_token_ids=self.banned,
                 pad_token_id=self.pad_id,
+                repeats=n,
                 **mm,
             )
         version = self.version_fn() if self.version_fn is not None else "default"
