@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,26 @@ def _broadcast(t: torch.Tensor, group: Any, device: torch.device) -> None:
     buf = t.detach().to(device)
     dist.broadcast(buf, src=src, group=group)
     t.copy_(buf)
+
+
+class _PhaseClock:
+    """Wall seconds of the step's phases (``time_<phase>_s`` metrics). On CUDA each lap
+    synchronises the device: three syncs a step, against a step of seconds."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = {}
+        self._last = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = self._now()
+        self.seconds[f"time_{phase}_s"] = now - self._last
+        self._last = now
 
 
 def resolve_device(device: str) -> torch.device:
@@ -310,10 +331,12 @@ class TorchBackend:
             batch.groups, batch.advantages, self.cfg.micro_batch_size, self.pad_token_id
         )
         counts = global_counts(local_counts(batch), self.collective_device, self.dp_group)
+        clock = _PhaseClock(self.device)
         old: list[torch.Tensor | None] = [None] * len(mbs)
         if self.cfg.ppo_epochs > 1:
             with torch.no_grad():
                 old = [self._token_logp(self.model, mb, batch.temperature).float() for mb in mbs]
+        clock.lap("old_logprobs")
         # kl_type full needs the reference's logits over the vocabulary: computed per micro-batch
         # in the loop below (one micro-batch of them alive at a time), not stored for all here.
         full_kl = self.algo.kl_type == "full"
@@ -321,6 +344,7 @@ class TorchBackend:
         if self.has_reference and not full_kl:
             with torch.no_grad():
                 ref = [self._reference_logp(mb, batch.temperature) for mb in mbs]
+        clock.lap("reference")
         sums = MetricSums()
         decisions: list[StepDecision] = []
         grad_norm = 0.0
@@ -363,9 +387,13 @@ class TorchBackend:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return step_metrics(
-            sums.reduce(self.dp_group), counts, grad_norm, decisions, current_lr(self.optimizer)
-        )
+        clock.lap("policy")
+        return {
+            **step_metrics(
+                sums.reduce(self.dp_group), counts, grad_norm, decisions, current_lr(self.optimizer)
+            ),
+            **clock.seconds,
+        }
 
     def _sum_gradients(self) -> None:
         """Sum every trainable parameter's gradient over the data-parallel ranks (no-op alone).
