@@ -342,6 +342,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
         print(json.dumps({"step": steps[-1]}), file=sys.stderr, flush=True)
+    if args.profile:
+        profile_update(backend, groups, adv, sampling.temperature, Path(args.profile))
     last = steps[-1]
     return {
         "benchmark": "one_gpu_thinker",
@@ -373,6 +375,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_allocated_gib": round(peak, 2),
         "versions": _versions(),
     }
+
+
+def profile_update(backend: Any, groups: list, adv: torch.Tensor, temperature: float, dst: Path) -> None:
+    """One more update under torch.profiler: the CUDA-time table by op (where the MFU goes)."""
+    from omni_grpo.types import GRPOBatch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.step(GRPOBatch(groups, adv, temperature=temperature))
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
+    dst.write_text(table)
 
 
 def _versions() -> dict[str, str | None]:
@@ -411,6 +425,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None, help="write a profiler table of one more update here")
     args = ap.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMNI_GRPO_TORCH_THREADS", "0")) or 4))
     print(json.dumps(run(args)))
