@@ -51,3 +51,19 @@ def test_decode_steps_attend_through_it_and_restore(monkeypatch, tmp_path) -> No
     assert calls == [1] * (3 * layers)  # every decode step of every layer, one query row each
     assert model.model.language_model.layers[0].self_attn.config._attn_implementation == before
     monkeypatch.setattr(da, "_REGISTERED", False)
+
+
+def test_kv_cache_that_cannot_fit_is_refused_with_its_size(monkeypatch) -> None:
+    import pytest
+    from omni_grpo.models import generation as gen
+
+    layer_kv = [(torch.zeros(1, 4, 3, 128, dtype=torch.bfloat16),) * 2] * 48
+    need = gen.kv_cache_bytes(layer_kv, rows=256, tokens=1024)
+    assert need == 48 * 2 * 256 * 4 * 1024 * 128 * 2  # 24 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 << 30)
+    cuda = torch.device("cuda")
+    with pytest.raises(gen.KVCacheTooLarge, match=r"256 rows x 1024 tokens needs 24.0 GiB but 12.0"):
+        gen.check_kv_fits(layer_kv, 256, 1024, cuda)
+    gen.check_kv_fits(layer_kv, 64, 1024, cuda)  # 6 GiB: fits

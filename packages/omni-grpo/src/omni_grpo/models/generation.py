@@ -147,6 +147,39 @@ def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
 
 
+class KVCacheTooLarge(ValueError):
+    """The decode batch's static KV cache does not fit in the free device memory."""
+
+
+def kv_cache_bytes(
+    layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, tokens: int
+) -> int:
+    """Bytes of the static K and V buffers for ``rows`` rows of ``tokens`` positions."""
+    return sum(2 * rows * k.shape[1] * tokens * k.shape[3] * k.element_size() for k, _ in layer_kv)
+
+
+def check_kv_fits(
+    layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, tokens: int, device: torch.device
+) -> None:
+    """Refuse, before allocating, a decode batch whose KV cache cannot fit on the GPU.
+
+    The free memory counts what the caching allocator holds but does not use. The message names
+    the settings that size the batch, so the run stops with the GiB it needs instead of an
+    out-of-memory error in the middle of a step.
+    """
+    if device.type != "cuda":
+        return
+    need = kv_cache_bytes(layer_kv, rows, tokens)
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if need > free:
+        raise KVCacheTooLarge(
+            f"the decode KV cache of {rows} rows x {tokens} tokens needs {need / 2**30:.1f} GiB "
+            f"but {free / 2**30:.1f} GiB are free: lower rollout.prompts_per_step, "
+            "rollout.n_samples or rollout.sampling.max_new_tokens"
+        )
+
+
 class StaticDecoder:
     """Decode steps of a prefilled batch over fixed KV buffers; on CUDA, replayed as one graph.
 
@@ -182,9 +215,11 @@ class StaticDecoder:
         batch, prompt_len = attention_mask.shape
         total = prompt_len + max_new_tokens
         device = attention_mask.device
+        layer_kv = _layer_tensors(cache)
+        check_kv_fits(layer_kv, batch, total, device)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        for k, v in _layer_tensors(cache):
+        for k, v in layer_kv:
             kb = k.new_zeros(batch, k.shape[1], total, k.shape[3])
             vb = v.new_zeros(batch, v.shape[1], total, v.shape[3])
             kb[:, :, :prompt_len] = k.repeat_interleave(repeats, 0)
@@ -334,9 +369,7 @@ def generate(
             if cuda_graph and max_new_tokens > 3:
                 steps += decoder.capture()  # eager steps if the step cannot be captured
             while steps < max_new_tokens:
-                if steps % STOP_CHECK_EVERY == 0 and _all_stopped(
-                    decoder.tokens[:, :steps], stop
-                ):
+                if steps % STOP_CHECK_EVERY == 0 and _all_stopped(decoder.tokens[:, :steps], stop):
                     break
                 decoder.replay()
                 steps += 1
