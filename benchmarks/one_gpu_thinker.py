@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         lr=1e-5,
         micro_batch_size=args.micro_batch_size,
+        micro_batch_tokens=args.micro_batch_tokens,
         max_grad_norm=1.0,
         lora=lora,
         gradient_checkpointing=True,
@@ -360,6 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lora": {"rank": args.rank, "alpha": args.alpha, "targets": targets},
             "expert_path": args.expert_path,
             "micro_batch_size": args.micro_batch_size,
+            "micro_batch_tokens": args.micro_batch_tokens,
             "gradient_checkpointing": True,
         },
         "limits": limits,
@@ -423,6 +425,9 @@ def main() -> None:
     ap.add_argument("--targets", default="attention,experts")
     ap.add_argument("--expert-path", choices=["grouped", "peft"], default="grouped")
     ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="pack rows of several prompts"
+    )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=None, help="write a profiler table of one more update here")

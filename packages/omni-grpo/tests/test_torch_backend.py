@@ -59,6 +59,42 @@ def test_step_moves_towards_positive_advantages(world: dict) -> None:
         assert key in metrics
 
 
+def test_packed_micro_batches_span_prompts_and_give_the_same_update(world: dict) -> None:
+    """trainer.micro_batch_tokens (issue 27): rows of several prompts, with their media, in one
+    left-padded micro-batch; loss and gradients equal the per-prompt step."""
+    groups = world["groups"]
+    adv = torch.randn(len(groups), 4, generator=torch.Generator().manual_seed(2))
+    widths = {len(c.prompt.input_ids) for g in groups for c in g}
+    assert len(widths) > 1  # prompts of different lengths: the packed rows are really padded
+    packed = make_micro_batches(groups, adv, 64, world["eos"], token_budget=10_000)
+    assert len(packed) == 1 and len({p.sample.uid for p in packed[0].prompts}) == len(groups)
+    assert (packed[0].attention_mask == 0).any()
+    rows = sum(len(g) for g in groups)
+    budget = max(len(c.prompt.input_ids) + len(c.token_ids) for g in groups for c in g) * 5
+    split = make_micro_batches(groups, adv, 64, world["eos"], token_budget=budget)
+    assert sum(m.input_ids.shape[0] for m in split) == rows and len(split) > 1
+    assert all(m.input_ids.numel() <= budget for m in split)
+    per_prompt, pack = (
+        _backend(world, micro_batch_size=8),
+        _backend(world, micro_batch_size=8, micro_batch_tokens=budget),
+    )
+    grads: list[dict[str, torch.Tensor]] = []
+    for backend in (per_prompt, pack):
+        named = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
+        record: dict[str, torch.Tensor] = {}
+        backend.optimizer.step = lambda named=named, record=record: record.update(  # type: ignore[method-assign]
+            {n: p.grad.clone() for n, p in named if p.grad is not None}
+        )
+        grads.append(record)
+    a = per_prompt.step(GRPOBatch(groups, adv))
+    b = pack.step(GRPOBatch(groups, adv))
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert b["train_rollout_logprob_abs_diff"] < 1e-4  # left padding changes no logprob
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], rtol=1e-4, atol=1e-6), name
+
+
 def test_micro_batching_gives_the_same_update(world: dict) -> None:
     groups = world["groups"]
     adv = torch.randn(len(groups), 4, generator=torch.Generator().manual_seed(1))

@@ -465,6 +465,13 @@ class TrainerConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(1, ge=1)
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="torch backend: pack rows of several prompts into a micro-batch of at most "
+        "micro_batch_size rows and this many padded tokens (rows x (widest prompt + longest "
+        "completion)); unset: each micro-batch holds one prompt's rows",
+    )
     ppo_epochs: int = Field(1, ge=1)
     warmup: WarmupConfig | None = None
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -604,6 +611,11 @@ def megatron_refusals(cfg: OmniGRPOConfig) -> list[str]:
         out.append(
             f"trainer.micro_batch_size {cfg.trainer.micro_batch_size} is not used by the megatron "
             "backend (it packs micro-batches by trainer.megatron.max_tokens_per_gpu); leave it at 1"
+        )
+    if cfg.trainer.micro_batch_tokens is not None:
+        out.append(
+            "trainer.micro_batch_tokens is not used by the megatron backend (it packs "
+            "micro-batches by trainer.megatron.max_tokens_per_gpu); leave it unset"
         )
     if cfg.trainer.warmup is not None and cfg.trainer.warmup.steps > 0:
         out.append(

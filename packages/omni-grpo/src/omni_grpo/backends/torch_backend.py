@@ -3,7 +3,8 @@
 
 ``step(batch)`` reads top to bottom: split the step's completions into micro-batches (rows of one
 prompt, at most ``micro_batch_size`` each, so no prompt padding and the multimodal positions are
-those of an unbatched forward), forward prompt+completion, take the logprobs of the sampled tokens,
+those of an unbatched forward; or, with ``trainer.micro_batch_tokens``, rows of several prompts
+packed up to that many padded tokens), forward prompt+completion, take the logprobs of the sampled tokens,
 compute the shared GRPO loss (``omni_grpo.algo.grpo_loss``) with global normalisers so that the
 micro-batch losses add up to the full-batch loss, backward, and after the last micro-batch clip
 the gradient norm and step AdamW — unless ``omni_grpo.algo.step.should_step`` says not to: a
@@ -64,7 +65,7 @@ from omni_grpo.algo.step import (
     should_step,
     step_metrics,
 )
-from omni_grpo.data.collate import repeat_mm
+from omni_grpo.data.collate import collate_mm, repeat_mm
 from omni_grpo.types import Completion, GRPOBatch, NamedTensors, PromptInputs, SourceLayout
 
 if TYPE_CHECKING:
@@ -73,14 +74,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class MicroBatch:
-    """Rows of ONE prompt: prompt ids + right-padded completions, with their per-token data."""
+    """Rows of one prompt, or packed rows of several: left-padded prompts + right-padded
+    completions, so every row's completion starts at column ``prompt_len``."""
 
-    prompt: PromptInputs
-    input_ids: torch.Tensor  # [B, L + T]
+    prompts: list[PromptInputs]  # one per row
+    input_ids: torch.Tensor  # [B, W + T]
+    attention_mask: torch.Tensor  # [B, W + T]: 0 on the prompts' left padding
     mask: torch.Tensor  # [B, T] response tokens
     rollout_logp: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B]
-    prompt_len: int
+    prompt_len: int  # W
+    mm: dict[str, torch.Tensor]  # the rows' media, in row order
+
+    @property
+    def prompt(self) -> PromptInputs:
+        return self.prompts[0]
 
 
 # Gradient all-reduce buckets: big enough to amortise a collective's latency, small enough that
@@ -143,39 +151,85 @@ def resolve_device(device: str) -> torch.device:
 
 
 def make_micro_batches(
-    groups: list[list[Completion]], advantages: torch.Tensor, micro_batch_size: int, pad_id: int
+    groups: list[list[Completion]],
+    advantages: torch.Tensor,
+    micro_batch_size: int,
+    pad_id: int,
+    token_budget: int | None = None,
 ) -> list[MicroBatch]:
-    """Completions of each prompt in chunks of ``micro_batch_size`` rows, right-padded with ``pad_id``.
+    """The step's completions as micro-batches.
+
+    ``token_budget`` None: each prompt's rows in chunks of ``micro_batch_size`` (no prompt
+    padding; the multimodal positions are those of an unbatched forward). A budget: rows of any
+    prompts packed together, longest first, while a micro-batch holds at most
+    ``micro_batch_size`` rows and ``rows x (widest prompt + longest completion)`` padded tokens
+    — fewer, fuller forwards (a 48-layer step is launch-bound at one prompt's 8 rows), with the
+    token counts balanced as the data-parallel shards balance theirs. Prompts are left-padded
+    (masked) so every completion starts at the same column, the layout of generation.
 
     Empty completions (zero tokens) carry no gradient signal and are dropped here — they are still
     counted in the global normaliser by the caller, never silently reweighted.
     """
-    out: list[MicroBatch] = []
-    for g, group in enumerate(groups):
-        rows = [(i, c) for i, c in enumerate(group) if c.token_ids]
-        for start in range(0, len(rows), micro_batch_size):
-            chunk = rows[start : start + micro_batch_size]
-            prompt = chunk[0][1].prompt
-            t = max(len(c.token_ids) for _, c in chunk)
-            ids = torch.full((len(chunk), len(prompt.input_ids) + t), pad_id, dtype=torch.long)
-            mask = torch.zeros(len(chunk), t, dtype=torch.bool)
-            rollout = torch.zeros(len(chunk), t, dtype=torch.float32)
-            for r, (_, c) in enumerate(chunk):
-                if len(c.logprobs) != len(c.token_ids):
-                    raise ValueError(
-                        f"completion of {prompt.sample.uid!r}: {len(c.token_ids)} tokens but "
-                        f"{len(c.logprobs)} logprobs"
-                    )
-                n = len(c.token_ids)
-                ids[r, : len(prompt.input_ids)] = torch.tensor(prompt.input_ids)
-                ids[r, len(prompt.input_ids) : len(prompt.input_ids) + n] = torch.tensor(
-                    c.token_ids
-                )
-                mask[r, :n] = True
-                rollout[r, :n] = torch.tensor(c.logprobs)
-            adv = advantages[g, [i for i, _ in chunk]].float()
-            out.append(MicroBatch(prompt, ids, mask, rollout, adv, len(prompt.input_ids)))
-    return out
+    rows = [(g, i, c) for g, group in enumerate(groups) for i, c in enumerate(group) if c.token_ids]
+    for _, _, c in rows:
+        if len(c.logprobs) != len(c.token_ids):
+            raise ValueError(
+                f"completion of {c.prompt.sample.uid!r}: {len(c.token_ids)} tokens but "
+                f"{len(c.logprobs)} logprobs"
+            )
+    chunks: list[list[tuple[int, int, Completion]]] = []
+    if token_budget is None:
+        for g in range(len(groups)):
+            mine = [r for r in rows if r[0] == g]
+            chunks += [
+                mine[s : s + micro_batch_size] for s in range(0, len(mine), micro_batch_size)
+            ]
+    else:
+        longest_first = sorted(
+            rows, key=lambda r: len(r[2].prompt.input_ids) + len(r[2].token_ids), reverse=True
+        )
+        width = length = 0
+        for row in longest_first:
+            w = max(width, len(row[2].prompt.input_ids))
+            t = max(length, len(row[2].token_ids))
+            full = chunks and (
+                len(chunks[-1]) >= micro_batch_size
+                or (len(chunks[-1]) + 1) * (w + t) > token_budget
+            )
+            if not chunks or full:
+                chunks.append([])
+                w, t = len(row[2].prompt.input_ids), len(row[2].token_ids)
+            chunks[-1].append(row)
+            width, length = w, t
+    return [
+        _micro_batch(chunk, advantages, pad_id, packed=token_budget is not None) for chunk in chunks
+    ]
+
+
+def _micro_batch(
+    chunk: list[tuple[int, int, Completion]], advantages: torch.Tensor, pad_id: int, packed: bool
+) -> MicroBatch:
+    """One micro-batch's tensors (see ``make_micro_batches``)."""
+    width = max(len(c.prompt.input_ids) for _, _, c in chunk)
+    t = max(len(c.token_ids) for _, _, c in chunk)
+    ids = torch.full((len(chunk), width + t), pad_id, dtype=torch.long)
+    attn = torch.ones_like(ids)
+    mask = torch.zeros(len(chunk), t, dtype=torch.bool)
+    rollout = torch.zeros(len(chunk), t, dtype=torch.float32)
+    for r, (_, _, c) in enumerate(chunk):
+        p, n = len(c.prompt.input_ids), len(c.token_ids)
+        ids[r, width - p : width] = torch.tensor(c.prompt.input_ids)
+        attn[r, : width - p] = 0
+        ids[r, width : width + n] = torch.tensor(c.token_ids)
+        mask[r, :n] = True
+        rollout[r, :n] = torch.tensor(c.logprobs)
+    adv = torch.stack([advantages[g, i] for g, i, _ in chunk]).float()
+    prompts = [c.prompt for _, _, c in chunk]
+    if packed:
+        mm = collate_mm([p.mm for p in prompts if p.mm])
+    else:
+        mm = repeat_mm(prompts[0].mm, len(chunk))
+    return MicroBatch(prompts, ids, attn, mask, rollout, adv, width, mm)
 
 
 class TorchBackend:
@@ -275,7 +329,7 @@ class TorchBackend:
         """Logits at the positions that predict the completion tokens, ``[B, T, V]`` (``model``:
         a module, or a function of the same keyword arguments)."""
         ids = mb.input_ids.to(self.device)
-        mm = {k: v.to(self.device) for k, v in repeat_mm(mb.prompt.mm, ids.shape[0]).items()}
+        mm = {k: v.to(self.device) for k, v in mb.mm.items()}
         t = mb.mask.shape[1]
         # Exactly the t predicting positions, as a contiguous [B, t, V] tensor: a slice of t+1
         # would be copied by the logprob reshape and its gradient scattered back (2 x 0.6 GiB
@@ -284,7 +338,7 @@ class TorchBackend:
         with self._autocast():
             out = model(
                 input_ids=ids,
-                attention_mask=torch.ones_like(ids),
+                attention_mask=mb.attention_mask.to(self.device),
                 logits_to_keep=keep,
                 **mm,
             )
@@ -328,7 +382,11 @@ class TorchBackend:
         self.model.train()
         apply_lr(self.optimizer, batch.lr)
         mbs = make_micro_batches(
-            batch.groups, batch.advantages, self.cfg.micro_batch_size, self.pad_token_id
+            batch.groups,
+            batch.advantages,
+            self.cfg.micro_batch_size,
+            self.pad_token_id,
+            token_budget=self.cfg.micro_batch_tokens,
         )
         counts = global_counts(local_counts(batch), self.collective_device, self.dp_group)
         clock = _PhaseClock(self.device)
