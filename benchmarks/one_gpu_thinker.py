@@ -379,7 +379,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def profile_update(backend: Any, groups: list, adv: torch.Tensor, temperature: float, dst: Path) -> None:
+def profile_update(
+    backend: Any, groups: list, adv: torch.Tensor, temperature: float, dst: Path
+) -> None:
     """One more update under torch.profiler: the CUDA-time table by op (where the MFU goes)."""
     from omni_grpo.types import GRPOBatch
     from torch.profiler import ProfilerActivity, profile
@@ -430,7 +432,9 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default=None, help="write a profiler table of one more update here")
+    ap.add_argument(
+        "--profile", default=None, help="write a profiler table of one more update here"
+    )
     args = ap.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMNI_GRPO_TORCH_THREADS", "0")) or 4))
     print(json.dumps(run(args)))
