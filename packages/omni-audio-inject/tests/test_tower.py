@@ -189,3 +189,32 @@ def test_extracted_audio_dir_matches_reference(tiny_omni_dir, reference_thinker,
     with torch.no_grad():
         ref = reference_thinker.get_audio_features(feats, mask).last_hidden_state
     assert torch.equal(ours, ref)
+
+
+def test_repeated_audio_is_encoded_once(tiny_omni_dir) -> None:
+    """A GRPO group repeats its prompt's audio per sample: the tower sees each distinct one once,
+    and every repeat gets the same rows as encoding the whole batch item by item."""
+    from omni_audio_inject.tower import same_items
+
+    tower = FrozenAudioTower(tiny_omni_dir)
+    feats, mask = _features([200, 150])
+    # rows: a, b, a, a, b (and a's padding differs in the last copy: padding is not content)
+    batch = torch.nn.functional.pad(feats, (0, 30))[[0, 1, 0, 0, 1]]
+    bmask = torch.nn.functional.pad(mask, (0, 30))[[0, 1, 0, 0, 1]]
+    batch[3, :, 200:] = 7.0
+    assert same_items(batch, bmask.sum(-1)) == [0, 1, 0, 0, 1]
+    module = tower.module("cpu", torch.float32)
+    seen: list[int] = []
+    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[-1]))
+    try:
+        out = tower.encode(batch, bmask, device="cpu", dtype=torch.float32)
+    finally:
+        handle.remove()
+    assert seen == [350]  # the frames of a and b, once each
+    single = [
+        tower.encode(feats[i : i + 1], mask[i : i + 1], device="cpu", dtype=torch.float32)
+        for i in (0, 1)
+    ]
+    expect = torch.cat([single[i] for i in [0, 1, 0, 0, 1]])
+    assert out.shape == expect.shape
+    assert torch.allclose(out, expect, atol=1e-5)

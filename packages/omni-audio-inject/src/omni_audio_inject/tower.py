@@ -55,6 +55,27 @@ def _materialise_buffers(module: nn.Module) -> None:
                 sub.register_buffer(bname, compute(), persistent=False)
 
 
+def same_items(features: torch.Tensor, lengths: torch.Tensor) -> list[int]:
+    """For each audio item, the index of the first item with the same valid frames.
+
+    Why: a GRPO group's samples all carry their prompt's audio, and the frozen tower's output
+    for an item depends on that item alone (its windows never mix items), so each distinct
+    audio is encoded once and its rows reused. Exact comparison (``torch.equal``), no hashing.
+    """
+    firsts: list[int] = []
+    out: list[int] = []
+    for i in range(features.shape[0]):
+        n = int(lengths[i])
+        for j in firsts:
+            if int(lengths[j]) == n and torch.equal(features[i, :, :n], features[j, :, :n]):
+                out.append(j)
+                break
+        else:
+            firsts.append(i)
+            out.append(i)
+    return out
+
+
 class FrozenAudioTower:
     """Lazily loaded, frozen audio encoder. Not an ``nn.Module`` on purpose (see module doc).
 
@@ -150,8 +171,9 @@ class FrozenAudioTower:
     ) -> torch.Tensor:
         """``[Σ tokens, output_dim]`` for ``[n, mel, T]`` features, audios concatenated in order.
 
-        Only valid frames (``feature_attention_mask``) are encoded, so padding never matters. Runs
-        under ``no_grad``: nothing upstream of the LM embeddings is trained.
+        Only valid frames (``feature_attention_mask``) are encoded, so padding never matters, and
+        each distinct audio once (:func:`same_items`). Runs under ``no_grad``: nothing upstream of
+        the LM embeddings is trained.
         """
         module = self.module(device, dtype)
         if input_features.ndim != 3:
@@ -172,6 +194,15 @@ class FrozenAudioTower:
         if bool((lengths == 0).any()):
             empty = torch.nonzero(lengths == 0).flatten().tolist()
             raise AudioInjectError(f"audio items {empty} have no valid frames")
+        first_of = same_items(input_features, lengths)
+        unique = sorted(set(first_of))
+        if len(unique) < len(first_of):  # a GRPO group repeats its prompt's audio per sample
+            feats, umask = input_features[unique], mask[unique]
+            flat = feats.permute(0, 2, 1)[umask].permute(1, 0)  # [mel, Σ T]
+            out = module(flat.to(device), feature_lens=lengths[unique].to(device), return_dict=True)
+            tokens = self.output_lengths(lengths[unique]).tolist()
+            pieces = dict(zip(unique, out.last_hidden_state.split(tokens), strict=True))
+            return torch.cat([pieces[i] for i in first_of])
         flat = input_features.permute(0, 2, 1)[mask].permute(1, 0)  # [mel, Σ T]
         out = module(flat.to(device), feature_lens=lengths.to(device), return_dict=True)
         return out.last_hidden_state
