@@ -346,6 +346,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         profile_update(backend, groups, adv, sampling.temperature, Path(args.profile))
     last = steps[-1]
+    trl: dict[str, Any] | None = None
+    if args.trl_steps:
+        del backend, engine, thinker, vl, groups, adv
+        trl = run_trl_side(args, cfg, vl_dir, samples, images)
+    ours_samples_per_s = rows / last["step_s"]
     return {
         "benchmark": "one_gpu_thinker",
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -375,8 +380,71 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "last": last,
         "peak_allocated_gib": round(peak, 2),
+        "samples_per_s": ours_samples_per_s,
+        "trl": trl,
+        "samples_per_s_ratio_vs_trl": ours_samples_per_s / trl["samples_per_s"] if trl else None,
         "versions": _versions(),
     }
+
+
+def run_trl_side(
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    vl_dir: Path,
+    samples: list[Any],
+    images: list[Path],
+) -> dict[str, Any]:
+    """The same random model (same seed), prompts and batch through TRL's ``GRPOTrainer`` with
+    peft (our LoRA targets as peft's config), vision frozen, checkpointing on, after our model is
+    freed. TRL gets every prompt as an image prompt (recorded in the result: ``media``), so the
+    ratio is against TRL on the cheaper prompts."""
+    import gc
+
+    from omni_grpo.config import LoraConfig
+    from omni_grpo.models.lora import peft_config
+    from vs_trl import run_trl
+
+    gc.collect()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_vl(cfg, device, dtype)
+    # every prompt as its index's image prompt: the VL model has no audio tower, and TRL 1.16
+    # passes a mixed image + video batch's frame lists to the processor as separate videos
+    rows = [
+        {
+            "id": x.uid,
+            "path": str(images[i]),
+            "text": x.prompt.replace(f"<{x.modality}>", "<image>"),
+        }
+        for i, x in enumerate(samples)
+    ]
+    media = ["image"] * len(rows)
+    lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
+    trl_args = argparse.Namespace(
+        device=args.device,
+        media="image",
+        work=args.work,
+        group=args.group,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        warmup=1,
+        steps=args.trl_steps,
+        lr=1e-5,
+        seed=args.seed,
+    )
+    out = run_trl(
+        trl_args,
+        vl_dir,
+        rows,
+        model=model,
+        peft_config=peft_config(lora),
+        gradient_checkpointing=True,
+    )
+    out["media"] = media
+    return out
 
 
 def profile_update(
@@ -432,6 +500,9 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--trl-steps", type=int, default=0, help="then TRL+peft: 1 warm-up + this many steps"
+    )
     ap.add_argument(
         "--profile", default=None, help="write a profiler table of one more update here"
     )

@@ -241,7 +241,18 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
 
 
 # -------------------------------------------------------------------------------------- trl
-def run_trl(args: argparse.Namespace, vl: Path, rows: list[dict[str, Any]]) -> dict:
+def run_trl(
+    args: argparse.Namespace,
+    vl: Path,
+    rows: list[dict[str, Any]],
+    model: Any = None,
+    peft_config: Any = None,
+    gradient_checkpointing: bool = False,
+) -> dict:
+    """TRL's ``GRPOTrainer`` on ``rows`` (a row's ``media`` overrides ``args.media``). ``model``:
+    an already built ``Qwen3VLMoeForConditionalGeneration`` (``benchmarks/one_gpu_thinker.py``
+    draws the 48-layer one on the GPU) instead of loading ``vl``'s weights; ``peft_config`` is
+    handed to the trainer, which wraps the model with peft itself."""
     import transformers
     import trl
     from datasets import Dataset
@@ -258,7 +269,8 @@ def run_trl(args: argparse.Namespace, vl: Path, rows: list[dict[str, Any]]) -> d
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(vl, dtype=dtype).to(device)
+    if model is None:
+        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(vl, dtype=dtype).to(device)
     for name, p in model.named_parameters():  # frozen vision tower, as ours by default
         p.requires_grad_(not name.startswith("model.visual."))
     tok = AutoTokenizer.from_pretrained(vl)
@@ -275,7 +287,7 @@ def run_trl(args: argparse.Namespace, vl: Path, rows: list[dict[str, Any]]) -> d
     )
     records = []
     for r in rows:
-        if args.media == "image":
+        if r.get("media", args.media) == "image":
             media = {"type": "image"}
             extra = {"image": Image.open(r["path"]).convert("RGB")}
         else:
@@ -334,7 +346,7 @@ def run_trl(args: argparse.Namespace, vl: Path, rows: list[dict[str, Any]]) -> d
         top_p=1.0,
         top_k=0,
         bf16=device == "cuda",
-        gradient_checkpointing=False,
+        gradient_checkpointing=gradient_checkpointing,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -350,12 +362,13 @@ def run_trl(args: argparse.Namespace, vl: Path, rows: list[dict[str, Any]]) -> d
         train_dataset=dataset,
         processing_class=processor,
         callbacks=[StepEnds()],
+        peft_config=peft_config,
     )
     trainer.train()
     out = _summary(args, ends, tokens)
     first = records[0]
     enc = processor.apply_chat_template(
-        [first["prompt"]] if args.media == "video" else [_with_image(first)],
+        [first["prompt"]] if first.get("image") is None else [_with_image(first)],
         add_generation_prompt=True,
         tokenize=True,
         return_dict=True,
