@@ -39,6 +39,7 @@ Prints ONE JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -435,14 +436,15 @@ def run_trl_side(
         lr=1e-5,
         seed=args.seed,
     )
-    out = run_trl(
-        trl_args,
-        vl_dir,
-        rows,
-        model=model,
-        peft_config=peft_config(lora),
-        gradient_checkpointing=True,
-    )
+    with contextlib.redirect_stdout(sys.stderr):  # TRL logs its steps on stdout: one JSON here
+        out = run_trl(
+            trl_args,
+            vl_dir,
+            rows,
+            model=model,
+            peft_config=peft_config(lora),
+            gradient_checkpointing=True,
+        )
     out["media"] = media
     return out
 
