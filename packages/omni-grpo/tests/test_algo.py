@@ -380,6 +380,7 @@ def test_mismatch_metrics_hand_values() -> None:
     m = torch.tensor([[1, 1, 1, 0]])
     met = {k: v.item() for k, v in mismatch_metrics(train, roll, m).items()}
     assert met["train_rollout_logprob_abs_diff"] == pytest.approx((0 + 0.5 + 0.5) / 3)
+    assert met["train_rollout_logprob_exact_fraction"] == pytest.approx(1 / 3)  # masked 4th ignored
     # centred train [1, 0, -1], rollout [1, -.5, -.5]: 1.5 / (sqrt 2 * sqrt 1.5) = 0.8660254
     assert met["train_rollout_logprob_pearson"] == pytest.approx(0.8660254, abs=1e-6)
     # ratios exp(train - rollout) = [1, e^.5, e^-.5]; median 1

@@ -23,6 +23,7 @@ def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 MISMATCH_KEYS: tuple[str, ...] = (
     "train_rollout_logprob_abs_diff",
+    "train_rollout_logprob_exact_fraction",
     "train_rollout_logprob_pearson",
     "train_rollout_kl",
     "train_rollout_ratio_p5",
@@ -38,7 +39,9 @@ def mismatch_metrics(
 ) -> dict[str, torch.Tensor]:
     """0-dim tensors keyed by metric name (see trainer_facts §5):
 
-    ``train_rollout_logprob_abs_diff`` mean |train - rollout|; ``train_rollout_logprob_pearson``;
+    ``train_rollout_logprob_abs_diff`` mean |train - rollout|; ``train_rollout_logprob_exact_fraction``
+    the share of tokens whose two fp32 logprobs are bitwise equal (1 only when the rollout's and
+    the trainer's forwards compute the same numbers); ``train_rollout_logprob_pearson``;
     ``train_rollout_kl`` low_var_kl estimate of KL(rollout || train) from the rollout's samples;
     ``train_rollout_ratio_p5/p50/p95`` quantiles of exp(train - rollout); ``ess_ratio``
     (sum w)^2 / (n sum w^2) of those ratios (1 = no mismatch).
@@ -53,6 +56,7 @@ def mismatch_metrics(
     q = torch.quantile(w, torch.tensor([0.05, 0.5, 0.95], dtype=w.dtype, device=w.device))
     return {
         "train_rollout_logprob_abs_diff": (t - r).abs().mean(),
+        "train_rollout_logprob_exact_fraction": (t == r).float().mean(),
         "train_rollout_logprob_pearson": _pearson(t, r),
         "train_rollout_kl": kl_estimate(r, t, "low_var_kl").mean(),
         "train_rollout_ratio_p5": q[0],
