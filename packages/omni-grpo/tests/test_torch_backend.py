@@ -37,6 +37,19 @@ def _seq_logp(backend: TorchBackend, groups: list, advantages: torch.Tensor) -> 
         )
 
 
+def _record_applied_grads(*backends: TorchBackend) -> list[dict[str, torch.Tensor]]:
+    """Per backend, the accumulated gradient its optimizer step would apply (the step is stubbed)."""
+    grads: list[dict[str, torch.Tensor]] = []
+    for backend in backends:
+        named = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
+        record: dict[str, torch.Tensor] = {}
+        backend.optimizer.step = lambda named=named, record=record: record.update(  # type: ignore[method-assign]
+            {n: p.grad.clone() for n, p in named if p.grad is not None}
+        )
+        grads.append(record)
+    return grads
+
+
 def test_registry_has_torch() -> None:
     assert "torch" in available_backends()
     with pytest.raises(ValueError, match="no backend named 'nope'"):
@@ -78,14 +91,7 @@ def test_packed_micro_batches_span_prompts_and_give_the_same_update(world: dict)
         _backend(world, micro_batch_size=8),
         _backend(world, micro_batch_size=8, micro_batch_tokens=budget),
     )
-    grads: list[dict[str, torch.Tensor]] = []
-    for backend in (per_prompt, pack):
-        named = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
-        record: dict[str, torch.Tensor] = {}
-        backend.optimizer.step = lambda named=named, record=record: record.update(  # type: ignore[method-assign]
-            {n: p.grad.clone() for n, p in named if p.grad is not None}
-        )
-        grads.append(record)
+    grads = _record_applied_grads(per_prompt, pack)
     a = per_prompt.step(GRPOBatch(groups, adv))
     b = pack.step(GRPOBatch(groups, adv))
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
@@ -99,14 +105,7 @@ def test_micro_batching_gives_the_same_update(world: dict) -> None:
     groups = world["groups"]
     adv = torch.randn(len(groups), 4, generator=torch.Generator().manual_seed(1))
     big, small = _backend(world, micro_batch_size=8), _backend(world, micro_batch_size=1)
-    grads: list[dict[str, torch.Tensor]] = []
-    for backend in (big, small):  # capture the accumulated gradient the optimizer would apply
-        named = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
-        record: dict[str, torch.Tensor] = {}
-        backend.optimizer.step = lambda named=named, record=record: record.update(  # type: ignore[method-assign]
-            {n: p.grad.clone() for n, p in named if p.grad is not None}
-        )
-        grads.append(record)
+    grads = _record_applied_grads(big, small)
     mb = big.step(GRPOBatch(groups, adv))
     ms = small.step(GRPOBatch(groups, adv))
     assert mb["loss"] == pytest.approx(ms["loss"], abs=1e-5)
