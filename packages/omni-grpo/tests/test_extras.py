@@ -31,7 +31,49 @@ def test_require_names_the_extra_in_one_line(feature: str, without) -> None:
     msg = str(err.value)
     assert "\n" not in msg
     assert f"pip install 'omni-grpo[{need.extra}]'" in msg and need.package in msg
+    assert f"uv sync --all-packages --extra {need.extra}" in msg  # a clone's command
     assert isinstance(err.value, ImportError)
+
+
+@pytest.mark.parametrize(
+    ("module", "extra"),
+    [("ray", "ray"), ("ray._private", "ray"), ("megatron.core", "megatron"),
+     ("sglang_omni", "server"), ("wandb", "wandb"), ("matplotlib.pyplot", "viz")],
+)  # fmt: skip
+def test_cli_names_the_extra_of_a_missing_module(module: str, extra: str) -> None:
+    """A bare ``import ray`` deep in the code still reaches the user as the extra's one line."""
+    from omni_grpo.cli import error_message
+
+    msg = error_message(ModuleNotFoundError(f"No module named {module!r}", name=module))
+    assert "internal error" not in msg and "\n" not in msg
+    assert f"omni-grpo[{extra}]" in msg and f"--extra {extra}" in msg
+
+
+def test_a_missing_unknown_module_is_still_a_bug() -> None:
+    """Only the optional dependencies are "not installed"; anything else stays an internal error."""
+    from omni_grpo.cli import error_message
+
+    msg = error_message(ModuleNotFoundError("No module named 'nothere'", name="nothere"))
+    assert msg.startswith("internal error (ModuleNotFoundError")
+
+
+def test_train_without_ray_refuses_before_preparing(tmp_path, without) -> None:
+    """A Ray run without ray installed: one line naming the extra, and nothing prepared."""
+    from click.testing import CliRunner
+    from omni_grpo.cli import main
+
+    without("ray")
+    run_dir = tmp_path / "run"
+    res = CliRunner().invoke(
+        main,
+        ["train", "--set", f"run.dir={run_dir}", "--set", "trainer.world_size=2",
+         "--set", "rollout.embedded.actors=1", "--set", "model.make_tiny={}"],
+    )  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert res.output.count("\n") == 1, res.output
+    assert "the scale path (Ray actors) needs ray" in res.output
+    assert "uv sync --all-packages --extra ray" in res.output
+    assert not run_dir.exists()
 
 
 def test_optional_warns_once_and_returns_none(without, caplog: pytest.LogCaptureFixture) -> None:

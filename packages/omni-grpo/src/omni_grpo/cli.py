@@ -53,8 +53,15 @@ def error_message(exc: BaseException) -> str:
     Expected: our own exception classes, ``ValueError`` (config, data, checkpoint contents),
     ``OSError`` (missing file, permission, disk full) and plain ``RuntimeError`` (what torch and
     safetensors raise for unreadable files): their message is printed. Anything else is a bug,
-    said so in one line with the hint to rerun with ``--debug``.
+    said so in one line with the hint to rerun with ``--debug``. A missing optional dependency
+    (``ModuleNotFoundError`` for ray, megatron-core, sglang-omni, ...) is not a bug: its line names
+    the extra and the command that installs it (``omni_grpo.extras``).
     """
+    from omni_grpo.extras import missing_extra_message
+
+    missing = missing_extra_message(exc)
+    if missing is not None:
+        return missing
     msg = one_line(str(exc)) or type(exc).__name__
     if type(exc).__module__.split(".")[0] in OWN_PACKAGES or isinstance(exc, ValueError):
         return msg

@@ -39,6 +39,7 @@ def train_command(
     if plan_only:
         click.echo(plan_text(cfg, gpus))
         return
+    check_extras(cfg)
     from omni_grpo.trainer import train
 
     logging.basicConfig(
@@ -63,6 +64,27 @@ def train_command(
     }
     (Path(result.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     click.echo(json.dumps(summary))
+
+
+def check_extras(cfg: Any) -> None:
+    """Refuse, before any model or data preparation, a run whose optional packages are missing.
+
+    Without this a run without Ray would spend minutes making the model and the data and only
+    then fail at ``import ray``; the line names the extra and its install command either way.
+    """
+    from omni_grpo.extras import require
+    from omni_grpo.ray.placement import PlacementError, plan_run
+
+    try:
+        distributed = plan_run(cfg).distributed
+    except PlacementError as err:
+        raise click.UsageError(str(err)) from None
+    if distributed:
+        require("the scale path (Ray actors)")
+    elif cfg.trainer.backend == "megatron":
+        from omni_grpo.backends.megatron._mcore import mcore
+
+        mcore()
 
 
 def plan_text(cfg: Any, gpus: int | None = None) -> str:

@@ -35,10 +35,12 @@ def mcore() -> SimpleNamespace:
             from megatron.core.transformer import TransformerConfig
             from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     except ImportError as exc:  # pragma: no cover - depends on the machine
+        from omni_grpo.extras import install_hint
+
         raise MegatronUnavailableError(
-            "trainer.backend 'megatron' needs megatron-core (Python >= 3.12): "
-            "pip install 'omni-grpo[megatron]' (plus triton, which megatron-core imports but does not declare)"
-            f"; import failed with: {exc}"
+            "trainer.backend 'megatron' needs megatron-core (Python >= 3.12), which is in the "
+            f"'megatron' extra: {install_hint('megatron')} (plus triton, which megatron-core "
+            f"imports but does not declare); import failed with: {exc}"
         ) from exc
     return SimpleNamespace(
         parallel_state=parallel_state,
