@@ -153,6 +153,10 @@ def _renamed(cmd: click.Command, name: str) -> click.Command:
 def main(ctx: click.Context, debug: bool) -> None:
     """GRPO for the Qwen3-Omni thinker on audio, image and video prompts."""
     ctx.meta[DEBUG_KEY] = debug
+    if not debug:  # --debug keeps every third-party line: one of them may be the clue
+        from omni_grpo.quiet import quiet_third_party
+
+        quiet_third_party()
 
 
 # ------------------------------------------------------------------- shared --config/--set options

@@ -40,11 +40,10 @@ def train_command(
         click.echo(plan_text(cfg, gpus))
         return
     check_extras(cfg)
+    from omni_grpo.quiet import configure_run_logging
     from omni_grpo.trainer import train
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_run_logging()
     # one INFO line per HTTP request would bury the run's own log (hundreds per step)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from omni_grpo.ray.driver import ActorFailure

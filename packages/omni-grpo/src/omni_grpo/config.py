@@ -796,7 +796,9 @@ def _resolve_one(value: Any, base: Path) -> Any:
         return [_resolve_one(v, base) for v in value]
     if isinstance(value, str | os.PathLike) and str(value).strip() != "":
         p = Path(os.path.expanduser(str(value)))
-        return str(p if p.is_absolute() else (base / p))
+        # normpath: `run.dir: ../runs/tiny` in examples/ is printed and stored as <repo>/runs/tiny,
+        # not <repo>/examples/../runs/tiny (lexical, like the shell's `cd`; symlinks are kept)
+        return os.path.normpath(p if p.is_absolute() else (base / p))
     return value
 
 
