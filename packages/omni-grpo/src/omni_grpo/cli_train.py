@@ -39,7 +39,7 @@ def train_command(
     if plan_only:
         click.echo(plan_text(cfg, gpus))
         return
-    check_extras(cfg)
+    preflight(cfg)
     from omni_grpo.quiet import configure_run_logging
     from omni_grpo.trainer import train
 
@@ -65,20 +65,18 @@ def train_command(
     click.echo(json.dumps(summary))
 
 
-def check_extras(cfg: Any) -> None:
-    """Refuse, before any model or data preparation, a run whose optional packages are missing.
+def preflight(cfg: Any) -> None:
+    """Refuse, before any model or data preparation, a run that cannot start: a layout that does
+    not fit the GPUs or cannot shard the model (what ``--plan`` checks), or a missing extra.
 
     Without this a run without Ray would spend minutes making the model and the data and only
-    then fail at ``import ray``; the line names the extra and its install command either way.
+    then fail at ``import ray``; a TP size the model's heads do not divide would fail inside a
+    server's or a rank's model constructor, after the GPUs were allocated.
     """
     from omni_grpo.extras import require
-    from omni_grpo.ray.placement import PlacementError, plan_run
 
-    try:
-        distributed = plan_run(cfg).distributed
-    except PlacementError as err:
-        raise click.UsageError(str(err)) from None
-    if distributed:
+    plan = checked_plan(cfg)[0]
+    if plan.distributed:
         require("the scale path (Ray actors)")
     elif cfg.trainer.backend == "megatron":
         from omni_grpo.backends.megatron._mcore import mcore
@@ -86,14 +84,24 @@ def check_extras(cfg: Any) -> None:
         mcore()
 
 
-def plan_text(cfg: Any, gpus: int | None = None) -> str:
-    """``--plan``: the placement as text; an impossible layout is a one-line usage error."""
-    from omni_grpo.ray.placement import PlacementError, format_plan, plan_run
+def checked_plan(cfg: Any, gpus: int | None = None) -> tuple[Any, list[str]]:
+    """The placement plan and the layout notes, or a one-line usage error naming the field."""
+    from omni_grpo.layout import check_layout
+    from omni_grpo.ray.placement import PlacementError, plan_run
 
     try:
-        return format_plan(plan_run(cfg, available_gpus=gpus), cfg)
+        plan = plan_run(cfg, available_gpus=gpus)
+        return plan, check_layout(cfg, plan)
     except PlacementError as err:
         raise click.UsageError(str(err)) from None
+
+
+def plan_text(cfg: Any, gpus: int | None = None) -> str:
+    """``--plan``: the placement and the layout check as text; nothing is started."""
+    from omni_grpo.ray.placement import format_plan
+
+    plan, notes = checked_plan(cfg, gpus)
+    return "\n".join([format_plan(plan, cfg), *notes])
 
 
 @click.command("show-config")

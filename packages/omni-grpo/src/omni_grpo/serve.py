@@ -75,6 +75,55 @@ def server_argv(
     return [part.format(**fill) for part in SERVER_ARGV[kind]] + list(extra_args)
 
 
+#: the sglang-omni flag that sets the thinker's tensor parallel size
+TP_FLAG = "--thinker.tp_size"
+
+
+def thinker_tp_args(kind: str, tp: int) -> list[str]:
+    """Server arguments that run the thinker at tensor parallel ``tp`` (none for ``tp`` 1).
+
+    sglang-omni 0.1.9's text-only pipeline puts every stage on GPU 0 in one process
+    (``sglang_omni/models/qwen3_omni/config.py:text_stages``), and a TP stage needs ``tp`` GPU ids
+    and a process of its own (``sglang_omni/config/schema.py``: "TP placement requires a list of
+    N unique GPU ids", "Process 'pipeline' holds TP stage 'thinker' and cannot be shared"). So a
+    server given 8 GPUs without these flags runs the thinker at TP 1 on one of them. GPU ids are
+    indices into the GPUs the server sees (Ray sets ``CUDA_VISIBLE_DEVICES`` for its actor); the
+    audio and image encoders stay unsharded on GPU 0 (see ``omni_grpo.layout``). The fake server
+    takes ``--tp-size`` (what its ``/model_info`` reports).
+    """
+    if tp <= 1:
+        return []
+    if kind == "fake":
+        return ["--tp-size", str(tp)]
+    gpus = "[" + ",".join(str(i) for i in range(tp)) + "]"
+    return [TP_FLAG, str(tp), "--thinker.gpu", gpus, "--thinker.process", "thinker"]
+
+
+def _tp_in(extra_args: list[str]) -> int | None:
+    """The thinker TP that ``extra_args`` set themselves (``--thinker.tp_size N`` or ``=N``)."""
+    for i, arg in enumerate(extra_args):
+        if arg == TP_FLAG and i + 1 < len(extra_args):
+            return int(extra_args[i + 1])
+        if arg.startswith(TP_FLAG + "="):
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+def launched_thinker_tp(launch_cfg: Any) -> int:
+    """The thinker TP of a server the driver launches: its ``--thinker.tp_size`` if
+    ``extra_args`` set one, else one rank per GPU (``gpus_per_server``; 1 for a CPU fake)."""
+    return _tp_in(list(launch_cfg.extra_args)) or max(1, int(launch_cfg.gpus_per_server))
+
+
+def launch_args(launch_cfg: Any) -> list[str]:
+    """The server arguments of a launched server: the TP flags for its GPUs, then ``extra_args``
+    (which win: when they set ``--thinker.tp_size`` themselves, no TP flags are added)."""
+    extra = list(launch_cfg.extra_args)
+    if _tp_in(extra) is not None or launch_cfg.kind == "fake":
+        return extra
+    return thinker_tp_args(launch_cfg.kind, launched_thinker_tp(launch_cfg)) + extra
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` now (the server binds it a moment later; a lost race fails loud)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -119,6 +168,13 @@ class LaunchedServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> LaunchedServer:
+        if self.argv[1:3] == ["-m", "sglang_omni.cli"]:
+            import importlib.util
+
+            if importlib.util.find_spec("sglang_omni") is None:  # else: a log that says only that
+                from omni_grpo.extras import MissingExtraError, missing_message
+
+                raise MissingExtraError(missing_message("an sglang-omni rollout server"))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
@@ -218,6 +274,14 @@ def launch(
     "--log-file", type=click.Path(path_type=Path), default=None, help="Default: ./server-PORT.log"
 )
 @click.option("--ready-timeout", type=float, default=900.0, show_default=True)
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Thinker tensor parallel size: one rank per visible GPU 0..TP-1 (sglang-omni: "
+    "--thinker.tp_size TP --thinker.gpu [0..TP-1] --thinker.process thinker).",
+)
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED)
 def serve_command(
     kind: str,
@@ -226,12 +290,14 @@ def serve_command(
     port: int | None,
     log_file: Path | None,
     ready_timeout: float,
+    tp: int,
     extra_args: tuple[str, ...],
 ) -> None:
     """Start one rollout server, print {"url", "pid", "log"} once it serves, stop it on Ctrl-C/SIGTERM.
 
     Arguments after ``--`` go to the server's own CLI unchanged.
     """
+    extra_args = (*thinker_tp_args(kind, tp), *extra_args)
     port = port or free_port(host)
     log = log_file or Path(f"server-{port}.log")
     stop = {"now": False}

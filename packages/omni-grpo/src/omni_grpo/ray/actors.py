@@ -388,7 +388,7 @@ class ServerActor:
 
     def start(self) -> str:
         """Start the server on this node, wait until it serves; returns its URL."""
-        from omni_grpo.serve import launch
+        from omni_grpo.serve import launch, launch_args
 
         self.server = launch(
             self.cfg.kind,
@@ -396,7 +396,7 @@ class ServerActor:
             self.log_path,
             ready_timeout_s=self.cfg.ready_timeout_s,
             host=node_address(),
-            extra_args=list(self.cfg.extra_args),
+            extra_args=launch_args(self.cfg),  # the thinker TP over its GPUs, then extra_args
             name=f"rollout server {self.index}",
         )
         log.info("server %d serving at %s", self.index, self.server.url)

@@ -175,8 +175,10 @@ def _rollout_slots(
     slots = [(url, int(tp), "external", 0) for url, tp in zip(urls, sizes, strict=True)]
     launch = sg.launch
     if launch is not None:
+        from omni_grpo.serve import launched_thinker_tp  # gpus_per_server, or extra_args' TP
+
         slots += [
-            ("", max(1, launch.gpus_per_server), "launched", launch.gpus_per_server)
+            ("", launched_thinker_tp(launch), "launched", launch.gpus_per_server)
             for _ in range(launch.servers)
         ]
     return slots
