@@ -57,7 +57,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> dict[str, Any]:
     from omni_grpo.data.dataset import OmniDataset
-    from omni_grpo.data.schema import read_samples
+    from omni_grpo.data.sources import read_samples
     from omni_grpo.data.synthetic import generate_synthetic
     from omni_grpo.data.tables import write_embedded_parquet
 
