@@ -294,6 +294,8 @@ def main() -> None:
         return
     from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
+    if args.tmp is not None:  # e.g. --tmp /tmp/bench on a fresh machine: make it, as -p would
+        Path(args.tmp).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="omni-grpo-data-bench-", dir=args.tmp))
     try:
         model_dir = make_tiny_omni(tmp / "omni", TinyOmniSpec())

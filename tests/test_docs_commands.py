@@ -3,11 +3,13 @@
 The pages are read in order (``omni_grpo.testing.doc_commands.PAGES``) and every command of
 their fenced blocks runs, as written plus the arguments of its ``# ci:`` comment, in one fresh
 checkout of this working tree with its own ``uv`` environment: what a new user gets from
-``git clone`` and the front page's first line. Each page starts from a checkout without the runs
-and exports of the pages before it, so a reader can land on any page. A command marked
-``# needs:`` (a GPU, several nodes, a dataset CI lacks) is only checked to carry its reason.
+``git clone`` and the front page's first line. Later pages use what earlier ones made (the front
+page's demo run), as a reader following them would. A command marked ``# needs:`` (a GPU,
+several nodes, a dataset CI lacks) is only checked to carry its reason.
 
-A command that stops working fails here, with its page and line. Cost: ~10 minutes on 2 cores.
+A command that stops working fails here, with its page and line; run the whole module (a
+command selected alone lacks the runs of the commands before it). Cost: ~8 minutes on 2 quiet
+cores.
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = all_commands(ROOT)
 RUNNABLE = [c for c in COMMANDS if not c.needs]
 TIMEOUT_S = 900
-#: what a page leaves behind in the checkout; removed before the next page
-OUTPUTS = ("runs", "exported")
 #: run by CI itself: .ci/run is the test suite this test is part of
 SUITE = "uv run pytest"
 
@@ -104,17 +104,30 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         subprocess.run([sys.executable, "-m", "venv", str(bare)], check=True)
     env = clean_env(path_first=bare / "bin")
     env["UV_NO_PROGRESS"] = "1"
-    return {"repo": repo, "env": env, "page": None}
+    return {"repo": repo, "env": env}
 
 
-def _run(cmd: DocCommand, repo: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _run(cmd: DocCommand, repo: Path, env: dict[str, str]) -> list[tuple[str, str]]:
+    """Run ``cmd``; ``(part, output)`` of each part of an ``a && b`` chain, run one after the
+    other as the shell would (so that pip's output is not read as the training run's)."""
     if cmd.lang == "python":
-        argv, stdin = ["uv", "run", "python", "-"], cmd.text
+        steps = [("python", ["uv", "run", "python", "-"], cmd.text)]
     else:
-        argv, stdin = ["bash", "-eo", "pipefail", "-c", cmd.ci_text], None
-    return subprocess.run(
-        argv, cwd=repo, env=env, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+        parts = [p.strip() for p in cmd.ci_text.split(" && ")]
+        steps = [(p, ["bash", "-eo", "pipefail", "-c", p], None) for p in parts]
+    outputs = []
+    for part, argv, stdin in steps:
+        t0 = time.monotonic()
+        res = subprocess.run(
+            argv, cwd=repo, env=env, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, (
+            f"{cmd.where}: exit {res.returncode} after {time.monotonic() - t0:.0f}s\n"
+            f"$ {part}\n{out[-4000:]}"
+        )
+        outputs.append((part, out))
+    return outputs
 
 
 def _ci_covers_the_suite() -> None:
@@ -127,25 +140,16 @@ def _ci_covers_the_suite() -> None:
 @pytest.mark.parametrize("cmd", RUNNABLE, ids=[f"{c.where}" for c in RUNNABLE])
 def test_documented_command(cmd: DocCommand, clone: dict[str, object]) -> None:
     repo, env = Path(clone["repo"]), dict(clone["env"])  # type: ignore[arg-type]
-    if clone["page"] != cmd.page:  # a new page: a reader landing here has none of the runs
-        for name in OUTPUTS:
-            shutil.rmtree(repo / name, ignore_errors=True)
-        clone["page"] = cmd.page
     if cmd.text == SUITE:
         _ci_covers_the_suite()
         return
     t0 = time.monotonic()
-    res = _run(cmd, repo, env)
-    took = time.monotonic() - t0
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, (
-        f"{cmd.where}: exit {res.returncode} after {took:.0f}s\n$ {cmd.ci_text}\n{out[-4000:]}"
-    )
-    if cmd.lang == "bash" and re.search(r"\bomni-grpo (train|eval|export)\b", cmd.text):
-        noise = third_party_noise(out)
-        assert not noise, f"{cmd.where}: third-party noise in the output:\n" + "\n".join(noise)
-        assert "/../" not in out, f"{cmd.where}: a path printed unnormalised:\n{out[-2000:]}"
-    print(f"{cmd.where}: {took:.1f}s", file=sys.stderr)
+    for part, out in _run(cmd, repo, env):
+        if re.search(r"\bomni-grpo (train|eval|export)\b", part):
+            noise = third_party_noise(out)
+            assert not noise, f"{cmd.where}: third-party noise in the output:\n" + "\n".join(noise)
+            assert "/../" not in out, f"{cmd.where}: a path printed unnormalised:\n{out[-2000:]}"
+    print(f"{cmd.where}: {time.monotonic() - t0:.1f}s", file=sys.stderr)
 
 
 def test_benchmark_imports_resolve() -> None:

@@ -147,15 +147,25 @@ def all_commands(root: Path) -> list[DocCommand]:
     return [cmd for page in PAGES for cmd in extract(root, page)]
 
 
+#: what a checkout never holds (build outputs, runs); used when ``src`` is not a git work tree
+_NOT_CHECKED_OUT = (".git", ".venv", ".ci-venvs", "runs", "exported", "__pycache__",
+                    ".pytest_cache", ".ruff_cache", ".hypothesis", "*.egg-info")  # fmt: skip
+
+
 def fresh_checkout(src: Path, dst: Path) -> Path:
     """Copy what a clone of ``src`` would hold (tracked files, plus untracked ones git does not
-    ignore: the working tree under test) into ``dst``; no ``.venv``, no ``runs/``."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=src,
-        check=True,
-        capture_output=True,
-    ).stdout.decode()
+    ignore: the working tree under test) into ``dst``; no ``.venv``, no ``runs/``. Outside a git
+    work tree (an unpacked archive), everything but :data:`_NOT_CHECKED_OUT`."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=src,
+            check=True,
+            capture_output=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*_NOT_CHECKED_OUT))
+        return dst
     for rel in filter(None, listed.split("\0")):
         path = src / rel
         if not path.is_file():  # deleted in the working tree
