@@ -111,10 +111,15 @@ def test_two_gloo_ranks_equal_one_process(world: dict[str, Any]) -> None:
             got = r["metrics"][s]
             assert got.keys() == metrics.keys(), s
             for key, value in metrics.items():
+                if key.startswith("time_"):  # the backend's wall-clock phases (time_*_s)
+                    continue
                 assert got[key] == pytest.approx(value, abs=1e-5, nan_ok=True), (s, key)
             for name, w in weights.items():
                 assert torch.allclose(r["weights"][s][name], w, atol=1e-5, rtol=0), (s, name)
-        assert ranks[0]["metrics"][s] == ranks[1]["metrics"][s]  # every rank reports the same
+        same = [
+            {k: v for k, v in r["metrics"][s].items() if not k.startswith("time_")} for r in ranks
+        ]
+        assert same[0] == same[1]  # every rank reports the same (its wall-clock phases aside)
     assert ref[0][0]["skipped_step"] == 0 and ref[0][0]["grad_norm"] > 0.5  # clipping was active
     assert ref[2][0]["no_signal_step"] == 1
     start = load_thinker(world["vl"], audio_dir=world["audio"]).state_dict()
