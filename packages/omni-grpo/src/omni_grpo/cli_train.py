@@ -79,7 +79,7 @@ def preflight(cfg: Any) -> None:
     if plan.distributed:
         require("the scale path (Ray actors)")
     elif cfg.trainer.backend == "megatron":
-        from omni_grpo.backends.megatron._mcore import mcore
+        from omni_grpo.backends.megatron import mcore
 
         mcore()
 
