@@ -378,3 +378,31 @@ def test_video_r1_non_text_fields_are_dropped_not_a_crash(
     src.write_text(json.dumps(records))
     stats = prepare_video_r1(src, tmp_path / "o.jsonl", check_media=False)
     assert stats["dropped_bad_field"] == 1 and stats["written"] >= 1
+
+
+def test_prepare_counts_the_records_of_an_unreadable_row_group(tmp_path: Path) -> None:
+    """Issue 30: a corrupt parquet page drops its row group's records, counted, file and group
+    named; the records after it keep their numbers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omni_grpo.testing.damage import corrupt_parquet_page
+
+    records = [{**AVQA[k % 2], "id": k} for k in range(9)]
+    records[7]["answer"] = 9  # a bad record after the damaged group: still named by its number
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist(records), good, row_group_size=3)
+    bad = corrupt_parquet_page(good, tmp_path / "bad.parquet", 1, "question_text")
+    problems: dict[str, str] = {}
+    stats = prepare_avqa(bad, tmp_path / "rows.jsonl", check_media=False, problems=problems)
+    assert stats == {
+        "kept": 5,
+        "written": 5,
+        "dropped_unreadable_row_group": 3,
+        "dropped_bad_answer": 1,
+    }
+    assert f"{bad}: row group 1 (records 4-6) is unreadable" in problems["unreadable_row_group"]
+    assert problems["bad_answer"].startswith("AVQA record 8 ")
+    assert [r.uid for r in read_samples(tmp_path / "rows.jsonl")] == [
+        f"avqa-{k}" for k in (0, 1, 2, 6, 8)
+    ]
+

@@ -936,6 +936,11 @@ def check_paths(cfg: OmniGRPOConfig) -> None:
             problems.append("data.train is not set (and data.synthetic is not configured)")
         problems += _missing_dataset("data.train", data.train)
         problems += _missing_dataset("data.eval", data.eval)
+        if data.columns and not problems:  # a renamed column a table lacks: before the model
+            from omni_grpo.data.sources import check_columns
+
+            found = [check_columns(s, data.columns) for s in (data.train, data.eval) if s]
+            problems += list(dict.fromkeys(m for ms in found for m in ms))  # train = eval: once
         if data.root is not None and not data.root.is_dir():
             problems.append(f"data.root: {data.root} is not a directory")
     omni = model.omni_checkpoint or cfg.run.dir / "model" / "omni"

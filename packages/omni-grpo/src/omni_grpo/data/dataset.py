@@ -94,8 +94,9 @@ class OmniDataset:
         except MediaError as err:
             self.counters[f"skipped_{err.reason}"] += 1
             self.counters["skipped"] += 1
-            if sample.uid not in self._logged:
-                self._logged.add(sample.uid)
+            # once per row, and once per cause shared by many rows (an unreadable row group)
+            if sample.uid not in self._logged and str(err) not in self._logged:
+                self._logged.update((sample.uid, str(err)))
                 log.warning("skipping row %r: %s", sample.uid, err)
             return None
         self.counters["loaded"] += 1

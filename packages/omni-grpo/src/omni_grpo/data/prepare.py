@@ -36,6 +36,9 @@ PREPARERS_GROUP = "omni_grpo.preparers"
 LETTERS = string.ascii_uppercase
 ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 OPTION_PREFIX = re.compile(r"^\s*\(?([A-Z])[\.\):]\s*")
+# A reader's marker for records it could not read at all: ``{"__problem__": (reason, message),
+# ROWS_MARKER: how many}`` (an unreadable parquet row group), counted as that many drops.
+ROWS_MARKER = "__rows__"
 
 
 def _options_block(options: list[str]) -> str:
@@ -116,7 +119,17 @@ def convert(
     """Rows of ``to_row`` (None: filtered, counted by it); a DataError drops the record, counted
     by its reason with the first message kept; later records with a seen id are dropped."""
     seen: set[str] = set()
-    for n, rec in enumerate(records, start=1):
+    n = 0
+    for rec in records:
+        n += 1
+        if isinstance(rec, dict) and ROWS_MARKER in rec:  # a reader's skip of many records
+            rows = int(rec[ROWS_MARKER])
+            reason, message = rec["__problem__"]
+            stats[f"dropped_{reason}"] += rows
+            problems.setdefault(reason, message)
+            log.warning("dropping %d records: %s", rows, message)
+            n += rows - 1
+            continue
         try:
             if not isinstance(rec, dict):
                 raise DataError(f"record {n}: not an object: {type(rec).__name__}", "not_object")
@@ -236,15 +249,31 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def read_parquet(path: Path) -> Iterator[dict[str, Any]]:
-    """Records of a parquet file, one row group at a time (the hub ships datasets as parquet)."""
+    """Records of a parquet file, one row group at a time (the hub ships datasets as parquet).
+
+    A row group that cannot be read (a corrupt page or page header) is a marker for its rows:
+    the converter counts them as dropped and names the file and row group once."""
     import pyarrow.parquet as pq
 
     try:
         f = pq.ParquetFile(str(path))
     except Exception as err:
         raise DataError(f"{path}: not a readable parquet file: {err}") from None
-    for batch in f.iter_batches(batch_size=1024):
-        yield from batch.to_pylist()
+    first = 0
+    for rg in range(f.metadata.num_row_groups):
+        rows = f.metadata.row_group(rg).num_rows
+        try:
+            records = f.read_row_group(rg).to_pylist()
+        except Exception as err:  # the group's rows are lost, not the conversion
+            why = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+            message = (
+                f"{path}: row group {rg} (records {first + 1}-{first + rows}) is unreadable "
+                f"({why or type(err).__name__})"
+            )
+            yield {"__problem__": ("unreadable_row_group", message), ROWS_MARKER: rows}
+        else:
+            yield from records
+        first += rows
 
 
 def read_records(path: Path) -> Iterator[dict[str, Any]]:

@@ -20,6 +20,16 @@ one at the start of a file, ``cat`` puts them mid-file).
 
 Extra columns of a table (parquet / Arrow) are ignored, listed once in the log: published tables
 carry many columns we do not use. Extra keys in a jsonl row stay an error (a typo there is local).
+
+Damage inside a file costs the rows it holds, never the run: a parquet row group that cannot be
+read (a corrupt page, a bad page header) is a counted skip of all its rows
+(``skipped_rows_unreadable_row_group``), named once in the log with its file and row range; the
+same group's embedded media found unreadable only when a row is drawn is that row's skip
+(``skipped_unreadable_row_group``), again logged once per group. Every Arrow shard of a
+``save_to_disk`` directory is read by its own schema (a shard written with other columns is named
+once; its rows are validated like any other). A ``data.columns`` entry whose source column a file
+does not have is an error naming the field and the file: ignoring it would silently drop the
+table's own column of that name.
 """
 
 from __future__ import annotations
@@ -31,11 +41,12 @@ import logging
 import mmap
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_grpo.data.media import MediaError
 from omni_grpo.data.schema import (
     MEDIA_COLUMNS,
     PLACEHOLDER,
@@ -70,6 +81,7 @@ class RawRecord:
     problem: tuple[str, str] | None = None
     # media columns of a table: column -> per item (path, present); bytes stay unread until needed
     embedded: dict[str, list[tuple[str | None, bool]]] = field(default_factory=dict)
+    rows: int = 1  # how many rows a ``problem`` stands for (a whole unreadable row group)
 
 
 # ------------------------------------------------------------------------------------------ jsonl
@@ -124,6 +136,22 @@ def jsonl_records(path: Path) -> Iterator[RawRecord]:
             yield RawRecord(where, lineno - 1, obj=obj)
 
 
+def _one_line(err: BaseException) -> str:
+    """An exception's message on one line (pyarrow's span several)."""
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return text or type(err).__name__
+
+
+def missing_column_error(where: Path, fld: str, column: str, have: Iterable[str]) -> DataError:
+    """``data.columns`` maps ``fld`` onto ``column`` but ``where`` has no such column."""
+    names = ", ".join(sorted(have)) or "none"
+    return DataError(
+        f"{where}: data.columns.{fld} names the column {column!r}, which it does not have "
+        f"(its columns: {names}); fix the mapping or remove data.columns.{fld}",
+        "config",
+    )
+
+
 class JsonlSource:
     """A jsonl file; media are files (no embedded bytes)."""
 
@@ -132,6 +160,21 @@ class JsonlSource:
         self.name = path.stem
 
     def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
+        """The file's records; a renamed column that no row of the file carries is an error
+        (raised after the last row: a jsonl file has no schema to check up front)."""
+        renamed = {fld: col for fld, col in columns.items() if col != fld}
+        seen: set[str] = set()
+        keys: set[str] = set()
+        for rec in self._raw_records():
+            if rec.obj is not None and renamed:
+                keys.update(rec.obj)
+                seen.update(col for col in renamed.values() if col in rec.obj)
+            yield rec
+        for fld, col in renamed.items():
+            if col not in seen and keys:
+                raise missing_column_error(self.path, fld, col, keys)
+
+    def _raw_records(self) -> Iterator[RawRecord]:
         return jsonl_records(self.path)
 
     def fetch(self, row: int, column: str, item: int) -> bytes | None:  # pragma: no cover
@@ -142,7 +185,7 @@ class JsonListSource(JsonlSource):
     """A ``.json`` file holding one JSON list of row objects (how Video-R1 and many others ship);
     read whole, which is fine for rows whose media are files."""
 
-    def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
+    def _raw_records(self) -> Iterator[RawRecord]:
         try:
             data = json.loads(self.path.read_bytes().removeprefix(BOM).decode("utf-8"))
         except UnicodeDecodeError as err:
@@ -209,18 +252,26 @@ class _TableSource:
     name: str
     schema: Any  # pyarrow.Schema
 
-    def _plan(self, columns: dict[str, str]) -> tuple[list[str], dict[str, tuple[str, bool]]]:
-        """(plain columns to read, embedded media column -> its kind) for this schema."""
+    def _plan(
+        self, columns: dict[str, str], schema: Any = None, where: Path | None = None
+    ) -> tuple[list[str], dict[str, tuple[str, bool]]]:
+        """(plain columns to read, embedded media column -> its kind) for ``schema`` (default:
+        the source's), read from ``where``. A renamed column the schema lacks is an error."""
+        schema = self.schema if schema is None else schema
+        where = self.path if where is None else where
+        for fld, col in columns.items():
+            if col != fld and col not in schema.names:
+                raise missing_column_error(where, fld, col, schema.names)
         wanted = {columns.get(f, f) for f in ROW_FIELDS} | {"uid"}
-        present = [n for n in self.schema.names if n in wanted]
-        unused = [n for n in self.schema.names if n not in wanted]
+        present = [n for n in schema.names if n in wanted]
+        unused = [n for n in schema.names if n not in wanted]
         if unused:
-            log.info("%s: columns not used: %s", self.path, ", ".join(unused))
+            log.info("%s: columns not used: %s", where, ", ".join(unused))
         media_cols = {columns.get(f, f) for f in MEDIA_COLUMNS}
         embedded: dict[str, tuple[str, bool]] = {}
         plain: list[str] = []
         for n in present:
-            kind = _media_kind(self.schema.field(n).type) if n in media_cols else None
+            kind = _media_kind(schema.field(n).type) if n in media_cols else None
             if kind is not None:
                 embedded[n] = kind
             else:
@@ -228,13 +279,32 @@ class _TableSource:
         return plain, embedded
 
     def _records(
-        self, start: int, plain: dict[str, list[Any]], media: dict[str, list[Any]], n: int
+        self,
+        start: int,
+        plain: dict[str, list[Any]],
+        media: dict[str, list[Any]],
+        n: int,
+        label: str = "",
     ) -> Iterator[RawRecord]:
         for i in range(n):
             index = start + i
             obj = {k: v[i] for k, v in plain.items()}
             emb = {k: v[i] for k, v in media.items() if v[i] is not None}
-            yield RawRecord(f"{self.path} row {index}", index, obj=obj, embedded=emb)
+            yield RawRecord(f"{self.path} row {index}{label}", index, obj=obj, embedded=emb)
+
+
+def schema_difference(first: Any, other: Any) -> str:
+    """How ``other`` differs from ``first`` (two Arrow schemas), in a few words."""
+    a, b = set(first.names), set(other.names)
+    parts = []
+    if a - b:
+        parts.append(f"missing columns: {', '.join(sorted(a - b))}")
+    if b - a:
+        parts.append(f"extra columns: {', '.join(sorted(b - a))}")
+    retyped = [n for n in sorted(a & b) if first.field(n).type != other.field(n).type]
+    if retyped:
+        parts.append(f"other types: {', '.join(retyped)}")
+    return "; ".join(parts) or "other metadata"
 
 
 class ParquetSource(_TableSource):
@@ -244,6 +314,8 @@ class ParquetSource(_TableSource):
         self.path, self.name = path, path.stem
         self._file: Any = None
         self._cache: OrderedDict[tuple[int, str], Any] = OrderedDict()
+        # row groups found unreadable: index -> the one-line reason (they are not read again)
+        self.bad_groups: dict[int, str] = {}
         meta = self.file.metadata
         self.schema = self.file.schema_arrow
         self.starts = [0]
@@ -280,30 +352,60 @@ class ParquetSource(_TableSource):
                 return leaf
         return None
 
+    def group_rows(self, rg: int) -> str:
+        """``rows a-b`` of row group ``rg`` (0-based, inclusive), for messages."""
+        return f"rows {self.starts[rg]}-{self.starts[rg + 1] - 1}"
+
+    def _bad_group(self, rg: int, err: BaseException, what: str) -> str:
+        """Mark row group ``rg`` unreadable (it is not read again); returns the one message that
+        names it, which the caller logs once (the dataset logs each distinct skip message once)."""
+        return self.bad_groups.setdefault(
+            rg,
+            f"{self.path}: row group {rg} ({self.group_rows(rg)}) is unreadable ({what}: "
+            f"{_one_line(err)}); its rows are skipped",
+        )
+
     def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
         plain, embedded = self._plan(columns)
         for rg in range(len(self.starts) - 1):
+            n = self.starts[rg + 1] - self.starts[rg]
             try:
                 cols = list(plain)
                 for c, (_, has_path) in embedded.items():
                     cols.append(self._leaf(c, "path") if has_path else c)
                 table = self.file.read_row_group(rg, columns=cols)
-            except Exception as err:
-                raise DataError(f"{self.path}: row group {rg} is unreadable: {err}") from None
-            values = {c: table.column(c).to_pylist() for c in plain}
-            media = {
-                c: _paths_from_struct_column(table.column(c).combine_chunks(), kind)
-                for c, (kind, _) in embedded.items()
-            }
+                values = {c: table.column(c).to_pylist() for c in plain}
+                media = {
+                    c: _paths_from_struct_column(table.column(c).combine_chunks(), kind)
+                    for c, (kind, _) in embedded.items()
+                }
+            except Exception as err:  # a corrupt page / page header: the group's rows, not the run
+                message = self._bad_group(rg, err, "reading its rows")
+                log.warning("%s", message)
+                yield RawRecord(
+                    f"{self.path} row group {rg}",
+                    self.starts[rg],
+                    problem=("unreadable_row_group", message),
+                    rows=n,
+                )
+                continue
             yield from self._records(self.starts[rg], values, media, table.num_rows)
 
     def fetch(self, row: int, column: str, item: int) -> bytes | None:
         rg = bisect.bisect_right(self.starts, row) - 1
+        if rg in self.bad_groups:
+            raise MediaError("unreadable_row_group", self.bad_groups[rg])
         key = (rg, column)
         col = self._cache.get(key)
         if col is None:
             leaf = self._leaf(column, "bytes") or column
-            col = self.file.read_row_group(rg, columns=[leaf]).column(0)
+            try:
+                col = self.file.read_row_group(rg, columns=[leaf]).column(0)
+            except DataError:
+                raise
+            except Exception as err:  # found only now: the media column is read on demand
+                message = self._bad_group(rg, err, f"reading {leaf}")
+                raise MediaError("unreadable_row_group", message) from None
             self._cache[key] = col
             while len(self._cache) > 1 and (
                 sum(c.nbytes for c in self._cache.values()) > ROW_GROUP_CACHE_BYTES
@@ -349,6 +451,7 @@ class ArrowDirSource(_TableSource):
     def __init__(self, path: Path) -> None:
         self.path, self.name = path, path.stem if path.is_file() else path.name
         files = [path] if path.is_file() else self._dir_files(path)
+        self.files = files
         self.tables = []
         self.maps: list[mmap.mmap] = []
         for f in files:
@@ -380,15 +483,26 @@ class ArrowDirSource(_TableSource):
         return files
 
     def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
-        plain, embedded = self._plan(columns)
-        for t, start in zip(self.tables, self.starts, strict=False):
+        """Every shard by its own schema: ``datasets`` writes one schema for all of them, but a
+        directory assembled from shards of different saves may not (named once in the log)."""
+        for k, (t, start) in enumerate(zip(self.tables, self.starts, strict=False)):
+            where = self.files[k]
+            if k and not t.schema.equals(self.schema):
+                log.warning(
+                    "%s: another schema than %s (%s): its rows are read and checked by its own schema",
+                    where,
+                    self.files[0].name,
+                    schema_difference(self.schema, t.schema),
+                )
+            plain, embedded = self._plan(columns, t.schema, where)
+            label = f" ({where.name})" if len(self.files) > 1 else ""
             for batch in t.to_batches(max_chunksize=1024):
                 values = {c: batch.column(c).to_pylist() for c in plain}
                 media = {
                     c: _paths_from_struct_column(batch.column(c), kind)
                     for c, (kind, _) in embedded.items()
                 }
-                yield from self._records(start, values, media, batch.num_rows)
+                yield from self._records(start, values, media, batch.num_rows, label)
                 start += batch.num_rows
 
     def fetch(self, row: int, column: str, item: int) -> bytes | None:
@@ -440,6 +554,50 @@ def open_source(path: Path) -> JsonlSource | ParquetSource | ArrowDirSource:
     if path.suffix.lower() == ".json" and head.removeprefix(BOM[:3]).lstrip()[:1] == b"[":
         return JsonListSource(path)
     return JsonlSource(path)
+
+
+def table_schemas(path: Path) -> list[tuple[Path, Any]]:
+    """(file, Arrow schema) of each table a dataset path holds, read from headers and footers
+    only; a jsonl / json file, or one that cannot be read (the loader names it), gives none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.is_dir():
+            files = ArrowDirSource._dir_files(path)
+        elif path.suffix.lower() in (".arrow", ".feather"):
+            files = [path]
+        else:
+            with path.open("rb") as f:
+                parquet = path.suffix.lower() in (".parquet", ".pq") or f.read(4) == PARQUET_MAGIC
+            return [(path, pq.read_schema(str(path)))] if parquet else []
+        out = []
+        for f in files:
+            try:
+                schema = pa.ipc.open_stream(str(f)).schema
+            except pa.ArrowInvalid:
+                schema = pa.ipc.open_file(str(f)).schema
+            out.append((f, schema))
+        return out
+    except Exception:  # noqa: BLE001 - unreadable: load_rows reports it in its own words
+        return []
+
+
+def check_columns(spec: Spec, columns: dict[str, str]) -> list[str]:
+    """Every ``data.columns`` entry whose source column a table of ``spec`` lacks, one message
+    each (before a run starts: the loader would refuse the same later, after the model is made)."""
+    renamed = {fld: col for fld, col in columns.items() if col != fld}
+    if not renamed:
+        return []
+    problems = []
+    for path in expand_spec(spec):
+        for where, schema in table_schemas(path):
+            problems += [
+                str(missing_column_error(where, fld, col, schema.names))
+                for fld, col in renamed.items()
+                if col not in schema.names
+            ]
+    return problems
 
 
 # ---------------------------------------------------------------------------------- normalising
@@ -531,13 +689,23 @@ class LoadedRows:
         return {"skipped_rows": total, **{f"skipped_rows_{k}": v for k, v in self.skipped.items()}}
 
     def fetch(self, item: dict[str, Any]) -> bytes | None:
+        """The bytes of an embedded item; a read that fails is that row's ``MediaError`` (the
+        dataset skips and counts it), whatever the reader raised."""
         src, row, column, k = item["blob"]
         self._open[src] = None
         self._open.move_to_end(src)
         while len(self._open) > OPEN_SOURCES:
             old, _ = self._open.popitem(last=False)
             getattr(self.sources[old], "close", lambda: None)()
-        return self.sources[src].fetch(row, column, k)
+        source = self.sources[src]
+        try:
+            return source.fetch(row, column, k)
+        except MediaError:
+            raise
+        except Exception as err:  # a file changed or damaged since it was validated
+            raise MediaError(
+                "unreadable", f"{source.path} row {row}: {column}[{k}] unreadable: {_one_line(err)}"
+            ) from None
 
 
 @dataclass
@@ -551,12 +719,13 @@ class _FileTally:
     first: str | None = None
     kept: int = 0
 
-    def skip(self, reason: str, message: str) -> None:
+    def skip(self, reason: str, message: str, rows: int = 1) -> None:
+        """Count ``rows`` skipped rows; a multi-row skip (a row group) was logged by its reader."""
         if self.strict:
             raise DataError(message, reason)
-        self.skips[reason] += 1
+        self.skips[reason] += rows
         self.first = self.first or message
-        if self.skipped <= LOGGED_PER_FILE:
+        if rows == 1 and self.skipped <= LOGGED_PER_FILE:
             log.warning("skipping row (%s): %s", reason, message)
 
     @property
@@ -606,7 +775,7 @@ def load_rows(
         tally = _FileTally(path, strict)
         for rec in source.records(columns):
             if rec.problem is not None:
-                tally.skip(*rec.problem)
+                tally.skip(*rec.problem, rows=rec.rows)
                 continue
             try:
                 obj, blobs = normalise(rec, columns, source.name)
