@@ -70,3 +70,18 @@ def test_make_tiny_cli(tmp_path):
     assert not any(k.startswith("talker.") for k in index["weight_map"])
     res = CliRunner().invoke(make_tiny_command, [str(tmp_path / "t")])
     assert res.exit_code == 1 and "exists" in res.output
+
+
+def test_extract_cli_refuses_a_destination_inside_its_source(tiny_omni_dir, tmp_path):
+    """Issue 30: no command writes into what it reads (equal / containing were refused already)."""
+    import shutil
+
+    src = tmp_path / "omni"
+    shutil.copytree(tiny_omni_dir, src)
+    for dst, needle in ((src / "vl", "is inside the source"), (src, "is (or contains) the source")):
+        res = CliRunner().invoke(
+            extract_command, ["--src", str(src), "--dst", str(dst), "--variant", "vl"]
+        )
+        assert res.exit_code == 1 and needle in res.output, res.output
+        assert len(res.output.strip().splitlines()) == 1, res.output
+    assert not (src / "vl").exists()

@@ -406,3 +406,22 @@ def test_prepare_counts_the_records_of_an_unreadable_row_group(tmp_path: Path) -
         f"avqa-{k}" for k in (0, 1, 2, 6, 8)
     ]
 
+
+@pytest.mark.parametrize("command", ["avqa", "video-r1", "parquet"])
+def test_prepare_refuses_an_output_over_its_source(
+    avqa_src: Path, tmp_path: Path, command: str
+) -> None:
+    """Issue 30: OUT equal to SRC (also through a symlink), or inside a SRC directory, is refused
+    in one line and the source is untouched."""
+    original = avqa_src.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(avqa_src)
+    cases = [([str(avqa_src)], avqa_src), ([str(avqa_src)], link)]
+    if command == "parquet":  # SRC as a glob, and a SRC directory with OUT inside it
+        cases += [([str(tmp_path / "*.jsonl")], avqa_src), ([str(tmp_path)], tmp_path / "o.pq")]
+    for srcs, out in cases:
+        res = CliRunner().invoke(main, ["prepare-data", command, *srcs, str(out)])
+        assert res.exit_code == 1, res.output
+        assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+        assert f"OUT {out}" in res.output and "choose another OUT" in res.output, res.output
+    assert avqa_src.read_bytes() == original and not (tmp_path / "o.pq").exists()

@@ -355,3 +355,18 @@ def test_missing_base_names_the_stored_config(run, tmp_path):
     _one_line_error(
         *_cli(str(moved), "--dst", str(tmp_path / "o"), "--quiet"), "config.yaml", "--base"
     )
+
+
+def test_cli_refuses_a_destination_over_its_inputs(run, omni, tmp_path):
+    """Issue 30: ``--dst`` may not be, contain or lie inside the run directory or the base."""
+    before = sorted(p.relative_to(run.run_dir) for p in run.run_dir.rglob("*"))
+    for dst, needle in (
+        (run.run_dir, "is the run directory"),
+        (run.run_dir / "exported", "is inside the run directory"),
+        (run.run_dir / "checkpoints" / "out", "is inside the run directory"),
+        (run.run_dir.parent, "contains the run directory"),
+        (omni / "exported", "is inside the base"),
+    ):
+        _one_line_error(*_cli(str(run.run_dir), "--dst", str(dst), "--quiet"), str(dst), needle)
+    assert sorted(p.relative_to(run.run_dir) for p in run.run_dir.rglob("*")) == before
+    assert not (omni / "exported").exists()

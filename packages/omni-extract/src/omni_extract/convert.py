@@ -335,6 +335,15 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise DestinationExistsError(f"destination {dst} exists; pass overwrite=True (--overwrite)")
 
 
+def check_outside_source(src: Path, dst: Path) -> None:
+    """``dst`` may not lie inside the source either: a tool never writes into what it reads
+    (checked once the source is known to be a checkpoint, so a wrong ``src`` says so first)."""
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise ExtractError(
+            f"destination {dst} is inside the source {src}; refusing (write it outside {src})"
+        )
+
+
 def _check_replaceable(dst: Path, overwrite: bool) -> None:
     """What ``extract`` may write to: a new path under a writable directory, an empty
     directory, or (``overwrite``) a directory one of our tools wrote — never a regular file or a
@@ -495,6 +504,7 @@ def extract(
     _check_replaceable(dst_path, overwrite)
     size = parse_size(shard_size)
     source = open_source(src_path)
+    check_outside_source(src_path, dst_path)
     plan = build_plan(source, variant, dtype, size)
     resolved = resolve_dtype(plan, source, dtype)
     if resolved != dtype:

@@ -42,6 +42,7 @@ from omni_extract.artifacts import copy_processor_artifacts
 from omni_extract.convert import (
     SourceInputs,
     check_destination,
+    check_outside_source,
     emit_output_tensor,
     install_dir,
     output_shard_names,
@@ -413,6 +414,7 @@ def _write_side_files(
 def check_export_destination(base: Path, dst: Path, overwrite: bool) -> None:
     """``dst`` must be new, empty, or (with ``overwrite``) a directory an export wrote."""
     check_destination(base, dst, overwrite=True)  # refuses dst == base / dst containing base
+    check_outside_source(base, dst)
     if not dst.exists():
         return
     if not dst.is_dir():

@@ -29,6 +29,7 @@ import click
 
 from omni_grpo.cli import EntryPointGroup
 from omni_grpo.data.schema import DataError, DatasetRow, parse_row, write_rows
+from omni_grpo.output_guard import refuse_output_over_input
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +318,7 @@ def prepare_avqa(
     """Convert an R1-AQA/AVQA jsonl (or parquet); ``root`` (default: the source's directory) is
     the media root. ``problems`` receives the first message of each drop reason."""
     src_p = Path(src)
+    refuse_output_over_input(out, [src_p], output_name="OUT", input_name="SRC")
     root_p = Path(root) if root is not None else src_p.parent
     stats: Counter[str] = Counter()
     problems = {} if problems is None else problems
@@ -420,6 +422,7 @@ def prepare_video_r1(
 ) -> dict[str, int]:
     """Convert Video-R1-260k style json (a list of records; jsonl and parquet also accepted)."""
     src_p = Path(src)
+    refuse_output_over_input(out, [src_p], output_name="OUT", input_name="SRC")
     root_p = Path(root) if root is not None else src_p.parent
     stats: Counter[str] = Counter()
     problems = {} if problems is None else problems
@@ -558,6 +561,9 @@ def parquet_command(src: tuple[str, ...], out: str, root: str | None) -> None:
     from omni_grpo.data.tables import write_embedded_parquet
 
     spec = list(src)
+    from omni_grpo.data.sources import expand_spec
+
+    refuse_output_over_input(out, expand_spec(spec), output_name="OUT", input_name="SRC")
     try:
         loaded = load_rows(spec)
         n = write_embedded_parquet(loaded.samples, root or default_media_root(spec), out)

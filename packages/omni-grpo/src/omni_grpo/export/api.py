@@ -20,6 +20,7 @@ from omni_grpo.export.run import (
     lora_trained,
     open_trained,
 )
+from omni_grpo.output_guard import refuse_output_over_input
 from omni_grpo.run.stored_config import CONFIG_FILE
 
 
@@ -43,6 +44,9 @@ def export_run(
     ckpt = find_checkpoint(Path(run_dir), step)
     run = ckpt.run_dir
     base_dir = Path(base) if base is not None else default_base(run)
+    # the run (its checkpoints, its prepared model) and the base are what the export reads
+    refuse_output_over_input(dst, [run], output_name="--dst", input_name="the run directory")
+    refuse_output_over_input(dst, [base_dir], output_name="--dst", input_name="the base")
     if base is None and not (base_dir / "config.json").is_file():
         raise ExportError(
             f"the run's base {base_dir} (model.omni_checkpoint in {run / CONFIG_FILE}) has no "
