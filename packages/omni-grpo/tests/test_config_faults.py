@@ -245,3 +245,51 @@ def test_a_binary_config_file_is_named(tmp_path: Path) -> None:
     p.write_bytes(b"\x80\x00binary")
     with pytest.raises(ConfigError, match=r"weights\.safetensors: not a UTF-8 text file"):
         load_config(p)
+
+
+# ------------------------------------------- issue 30: values that make another one meaningless
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (
+            ("run.steps=10", "trainer.lr_schedule.warmup_steps=20"),
+            ("trainer.lr_schedule.warmup_steps (20) is longer than run.steps (10)",),
+        ),
+        (
+            ("run.steps=10", "trainer.lr_schedule={kind: cosine, warmup_steps: 9}"),
+            ("warmup_steps (9) leaves no step of run.steps (10) for the cosine decay",),
+        ),
+        (("run.steps=10", "run.log_every=11"), ("run.log_every (11) is longer than run.steps",)),
+        (
+            ("ray.address=10.0.0.1:6379", "ray.num_cpus=4"),
+            ("ray.num_cpus sizes a local Ray only", "ray.address"),
+        ),
+        (
+            ("rollout.sglang.launch={kind: fake, gpus_per_server: 0}",),
+            ("rollout.sglang.launch starts servers for rollout.engine sglang-omni",),
+        ),
+    ],
+)
+def test_contradicting_values_are_refused_naming_both(
+    tmp_path: Path, overrides: tuple[str, ...], needles: tuple[str, ...]
+) -> None:
+    msg = _config_error(tmp_path, "{}\n", overrides)
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_values_that_still_mean_something_are_accepted(tmp_path: Path) -> None:
+    for overrides in (
+        ("run.steps=10", "trainer.lr_schedule.warmup_steps=10"),  # constant: lr reached at 10
+        ("run.steps=10", "trainer.lr_schedule={kind: linear, warmup_steps: 8}"),  # 2 decay steps
+        ("run.steps=10", "run.log_every=10"),
+        ("run.steps=0", "run.log_every=5"),  # nothing to log anyway
+        ("ray.address=10.0.0.1:6379",),
+    ):
+        load_config(_write(tmp_path, "{}\n"), overrides)
+    res = CliRunner().invoke(
+        cli.main,
+        ["show-config", "--set", "run.steps=3", "--set", "trainer.lr_schedule.warmup_steps=5"],
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "warmup_steps (5) is longer than run.steps (3)" in res.output.splitlines()[-1]

@@ -568,6 +568,13 @@ class OmniGRPOConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _consistent(self) -> OmniGRPOConfig:
+        problems = contradictions(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _derived_paths(self) -> OmniGRPOConfig:
         # Defaults that depend on run.dir / run.seed; assigned without re-validation loops.
         if self.model.make_tiny is not None and self.model.make_tiny.seed is None:
@@ -581,6 +588,45 @@ class OmniGRPOConfig(_Strict):
         if self.data.root is None and self.data.train is not None:
             object.__setattr__(self.data, "root", self.data.default_root())
         return self
+
+
+def contradictions(cfg: OmniGRPOConfig) -> list[str]:
+    """Settings one of which makes another meaningless, one sentence each naming both fields.
+
+    Each was accepted before and did nothing, or not what it says: a warm-up longer than the run
+    never reaches ``trainer.lr`` (and a decay never starts), a logging interval longer than the
+    run logs no step, a cluster address with a local core count ignores the count, servers to
+    launch for another engine are never launched.
+    """
+    out = []
+    sched, steps = cfg.trainer.lr_schedule, cfg.run.steps
+    if sched.warmup_steps and sched.warmup_steps > steps:
+        out.append(
+            f"trainer.lr_schedule.warmup_steps ({sched.warmup_steps}) is longer than run.steps "
+            f"({steps}): the warm-up would never reach trainer.lr; shorten it or raise run.steps"
+        )
+    elif sched.warmup_steps and sched.kind != "constant" and sched.warmup_steps >= steps - 1:
+        out.append(
+            f"trainer.lr_schedule.warmup_steps ({sched.warmup_steps}) leaves no step of run.steps "
+            f"({steps}) for the {sched.kind} decay; shorten it, raise run.steps or use kind: "
+            "constant"
+        )
+    if steps and cfg.run.log_every > steps:
+        out.append(
+            f"run.log_every ({cfg.run.log_every}) is longer than run.steps ({steps}): no step's "
+            "metrics would be logged; lower it"
+        )
+    if cfg.ray.address and cfg.ray.num_cpus is not None:
+        out.append(
+            "ray.num_cpus sizes a local Ray only and is ignored with ray.address "
+            f"({cfg.ray.address}); remove one of them"
+        )
+    if cfg.rollout.sglang.launch is not None and cfg.rollout.engine != "sglang-omni":
+        out.append(
+            f"rollout.sglang.launch starts servers for rollout.engine sglang-omni, but the engine "
+            f"is {cfg.rollout.engine!r}: they would never be used; remove it or change the engine"
+        )
+    return out
 
 
 # Megatron precision names and the model.dtype each one equals.
