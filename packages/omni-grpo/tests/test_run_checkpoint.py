@@ -117,3 +117,33 @@ def test_metrics_truncated_on_resume(tmp_path: Path) -> None:
     resumed.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"])
+def test_a_damaged_newest_checkpoint_is_named_with_the_way_out(tmp_path: Path, name: str) -> None:
+    """Issue 30: a truncated file in the newest checkpoint is refused in one line naming the
+    checkpoint and the file, pointing at the previous complete one (or --overwrite), both by
+    the up-front check of a resume and by the loader itself."""
+    from omni_grpo.run.checkpoint import verify_checkpoint
+    from omni_grpo.run.rundir import check_resume
+    from omni_grpo.testing.damage import truncate_file
+
+    first = _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    truncate_file(newest / name, 0.6)
+    for check in (verify_checkpoint, load_checkpoint):
+        with pytest.raises(CheckpointError) as info:
+            check(newest)
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith(f"checkpoint {newest} is damaged ({name}: ")
+        assert f"rm -r {newest}" in msg and first.name in msg and "--overwrite" in msg
+    with pytest.raises(CheckpointError, match="is damaged"):
+        check_resume(tmp_path, {"hash": "x", "settings": {}})
+    import shutil
+
+    shutil.rmtree(newest)  # the way out: the previous complete one is resumed
+    assert latest_checkpoint(tmp_path) == first
+    verify_checkpoint(first)
+    truncate_file(first / name, 0.6)
+    with pytest.raises(CheckpointError, match="no earlier checkpoint: start over with --overwrite"):
+        verify_checkpoint(first)

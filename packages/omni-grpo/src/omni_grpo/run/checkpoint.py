@@ -186,29 +186,109 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     return complete[-1] if complete else None
 
 
-def load_checkpoint(
-    path: str | os.PathLike[str],
-) -> tuple[TrainState, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(state, trainable weights, optimizer state, rng state) of a complete checkpoint directory."""
+def damaged(path: Path, what: str) -> CheckpointError:
+    """The error for a checkpoint directory that cannot be loaded: names it, what is wrong, and
+    the way out — the previous complete checkpoint (after removing this one) or ``--overwrite``.
+
+    A checkpoint is published atomically, so damage comes from outside the run (a disk error, a
+    copy cut short, a hand edit); no automatic fallback silently trains from an older step."""
     path = Path(path)
-    state_file = path / STATE_FILE
+    older = sorted(
+        p
+        for p in path.parent.glob("step_*")
+        if p.name < path.name and p.is_dir() and (p / STATE_FILE).is_file()
+    )
+    if older:
+        way = (
+            f"delete it (rm -r {path}) and rerun with --resume to continue from the previous "
+            f"complete checkpoint {older[-1].name}, or start over with --overwrite"
+        )
+    else:
+        way = "there is no earlier checkpoint: start over with --overwrite (or another run.dir)"
+    return CheckpointError(f"checkpoint {path} is damaged ({what}); {way}")
+
+
+def _one_line(err: BaseException) -> str:
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """``state.json`` of checkpoint ``path``, checked for what a resume reads from it."""
+    state_file = Path(path) / STATE_FILE
     if not state_file.is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
-    raw = json.loads(state_file.read_text())
+    try:
+        raw = json.loads(state_file.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+    except (OSError, ValueError) as err:
+        raise damaged(path, f"{STATE_FILE}: {_one_line(err)}") from None
     if raw.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"{state_file}: format {raw.get('format')!r}, expected {FORMAT_VERSION}"
         )
+    try:
+        int(raw["step"])
+        DataCursor(**raw["cursor"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise damaged(path, f"{STATE_FILE}: {_one_line(err)}") from None
+    return raw
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Check, without loading the tensors, that every file a resume loads is whole: the state,
+    the safetensors header and the data it covers, the zip directories of the torch files. A
+    resume checks the newest checkpoint this way before anything is prepared."""
+    path = Path(path)
+    read_state(path)
     for name in ("model.safetensors", "optimizer.pt", "rng.pt"):
         if not (path / name).is_file():
-            raise CheckpointError(f"{path}: missing {name}")
+            raise damaged(path, f"{name} is missing")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            f.keys()
+    except Exception as err:  # noqa: BLE001 - SafetensorError, OSError: the file is not whole
+        raise damaged(path, f"model.safetensors: {_one_line(err)}") from None
+    import zipfile
+
+    for name in ("optimizer.pt", "rng.pt"):
+        try:
+            with zipfile.ZipFile(path / name) as z:
+                size = (path / name).stat().st_size
+                if any(i.header_offset + i.compress_size > size for i in z.infolist()):
+                    raise zipfile.BadZipFile("an entry extends past the end of the file")
+        except (zipfile.BadZipFile, OSError) as err:
+            raise damaged(path, f"{name}: {_one_line(err)}") from None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+) -> tuple[TrainState, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(state, trainable weights, optimizer state, rng state) of a complete checkpoint directory.
+
+    A file that is missing or cannot be read is a :class:`CheckpointError` naming the checkpoint
+    and the way out (:func:`damaged`), never the loader's own exception."""
+    path = Path(path)
+    raw = read_state(path)
+    for name in ("model.safetensors", "optimizer.pt", "rng.pt"):
+        if not (path / name).is_file():
+            raise damaged(path, f"{name} is missing")
     state = TrainState(
         step=int(raw["step"]),
         cursor=DataCursor(**raw["cursor"]),
         warmup_done=bool(raw.get("warmup_done", False)),
         extra=dict(raw.get("extra", {})),
     )
-    weights = load_file(str(path / "model.safetensors"))
-    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
+    name = "model.safetensors"
+    try:
+        weights = load_file(str(path / name))
+        name = "optimizer.pt"
+        optimizer = torch.load(path / name, map_location="cpu", weights_only=False)
+        name = "rng.pt"
+        rng = torch.load(path / name, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - whatever the loaders raise for a damaged file
+        raise damaged(path, f"{name}: {_one_line(err)}") from None
     return state, weights, optimizer, rng

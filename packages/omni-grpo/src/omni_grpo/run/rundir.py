@@ -185,15 +185,14 @@ def check_resume_config(
 
 def check_resume(run_dir: Path, current: Mapping[str, Any]) -> None:
     """Before anything is prepared: the newest checkpoint's stored fingerprint must match."""
-    from omni_grpo.run.checkpoint import STATE_FILE, latest_checkpoint
+    from omni_grpo.run.checkpoint import latest_checkpoint, read_state, verify_checkpoint
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return
-    try:
-        stored = json.loads((ckpt / STATE_FILE).read_text()).get("extra", {}).get("config")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise RunDirError(f"{ckpt / STATE_FILE}: unreadable ({exc})") from exc
+    verify_checkpoint(ckpt)  # a damaged newest checkpoint: named, with the way out, right now
+    extra = read_state(ckpt).get("extra")
+    stored = extra.get("config") if isinstance(extra, dict) else None
     check_resume_config(stored, current, ckpt)
 
 
