@@ -48,6 +48,7 @@ def train_command(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from omni_grpo.ray.driver import ActorFailure
     from omni_grpo.ray.placement import PlacementError
+    from omni_grpo.run.signals import RunInterrupted
 
     try:
         result = train(cfg, resume=resume, overwrite=overwrite, progress=not no_progress)
@@ -55,6 +56,9 @@ def train_command(
         raise click.ClickException(str(err)) from None
     except PlacementError as err:
         raise click.UsageError(str(err)) from None
+    except RunInterrupted as stop:  # SIGTERM / SIGINT: everything is closed, the dir resumable
+        click.echo(f"Error: {stop}", err=True)
+        raise click.exceptions.Exit(128 + stop.signum) from None
     summary = {
         "run_dir": str(result.run_dir),
         "steps": result.steps,
@@ -97,10 +101,16 @@ def checked_plan(cfg: Any, gpus: int | None = None) -> tuple[Any, list[str]]:
 
 
 def plan_text(cfg: Any, gpus: int | None = None) -> str:
-    """``--plan``: the placement and the layout check as text; nothing is started."""
-    from omni_grpo.ray.placement import format_plan
+    """``--plan``: the placement and the layout check as text; nothing is started. A request the
+    machine's CPUs, GPUs or memory cannot place per actor is a one-line usage error."""
+    from omni_grpo.ray.placement import PlacementError, format_plan
+    from omni_grpo.ray.resources import check_local_resources
 
     plan, notes = checked_plan(cfg, gpus)
+    try:
+        check_local_resources(cfg, plan, for_plan=True, gpus=gpus)  # per actor vs the Ray
+    except PlacementError as err:
+        raise click.UsageError(str(err)) from None
     return "\n".join([format_plan(plan, cfg), *notes])
 
 

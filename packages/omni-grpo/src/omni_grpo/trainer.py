@@ -31,6 +31,7 @@ from omni_grpo.algo.schedule import lr_at
 from omni_grpo.backends import create_backend
 from omni_grpo.models.sideband import media_token_ids
 from omni_grpo.ray.placement import plan_run
+from omni_grpo.ray.resources import check_local_resources
 from omni_grpo.rewards import score_sample
 from omni_grpo.rollout import IN_PROCESS, create_engine
 from omni_grpo.rollout.overlap import AheadEngine, PolicySnapshot, staleness_metrics
@@ -43,6 +44,7 @@ from omni_grpo.run.checkpoint import (
     save_checkpoint,
 )
 from omni_grpo.run.health import SignalWatch
+from omni_grpo.run.lock import own_run_dir
 from omni_grpo.run.metrics import MetricsLogger, read_metrics
 from omni_grpo.run.plots import plot_run
 from omni_grpo.run.process import configure_threads, seed_everything
@@ -54,6 +56,7 @@ from omni_grpo.run.rundir import (
     config_fingerprint,
     run_temp_parents,
 )
+from omni_grpo.run.signals import RunInterrupted, stop_on_signals
 from omni_grpo.run.stored_config import store_run_config
 from omni_grpo.sglang import checkpoint_media_ids
 from omni_grpo.types import Completion, GRPOBatch, PromptInputs, TrainerBackend
@@ -297,6 +300,25 @@ def anchor_reference(backend: Any, run_dir: Path, algo: Any, *, save: bool) -> N
 
 
 # ---------------------------------------------------------------------------------------- train
+# state.extra key of a checkpoint saved because the step's weight sync failed: that step's
+# metrics row, which the resume completes and writes (the step is not trained again).
+PENDING_ROW = "pending_metrics_row"
+
+
+def plain(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with JSON-native values (numpy and torch scalars become floats)."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool | int | float | str) or value is None:
+            out[key] = value
+        else:
+            try:
+                out[key] = float(value)
+            except (TypeError, ValueError):
+                out[key] = str(value)
+    return out
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -316,12 +338,47 @@ def train(
 ) -> TrainResult:
     """Run GRPO as configured. ``stop_after`` ends the run early after that step (as a kill would,
     but cleanly: used by the resume test); a later ``resume=True`` call continues to ``run.steps``.
-    A ``run.dir`` holding another run needs ``resume`` or ``overwrite`` (``omni_grpo.run.rundir``)."""
+    A ``run.dir`` holding another run needs ``resume`` or ``overwrite`` (``omni_grpo.run.rundir``).
+
+    Before anything is made: the inputs exist, a multi-process layout fits the Ray it will start
+    (``check_local_resources``), and this process owns ``run.dir`` (``omni_grpo.run.lock``: a
+    second run into it is refused, naming this one's pid). SIGTERM / SIGINT raise
+    :class:`~omni_grpo.run.signals.RunInterrupted` after everything is closed, saying where the
+    run stopped and that ``--resume`` continues it."""
     t_start = time.perf_counter()
     from omni_grpo.config import check_paths
 
     check_paths(cfg)  # missing inputs fail here, in one line, before anything is made
+    check_local_resources(cfg)
     run_dir = Path(cfg.run.dir)
+    with stop_on_signals(), own_run_dir(run_dir):
+        try:
+            return _train(cfg, run_dir, t_start, resume, overwrite, progress, stop_after)
+        except RunInterrupted as stop:
+            stop.where = resume_note(run_dir)
+            raise
+
+
+def resume_note(run_dir: Path) -> str:
+    """Where an interrupted run stands: the last step logged, what ``--resume`` continues from."""
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    done = f" after step {steps[-1]}" if steps else ""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return f"{done}; {run_dir} holds no checkpoint yet: --resume starts it again from step 1"
+    return f"{done}; rerun with --resume to continue {run_dir} from {ckpt.name}"
+
+
+def _train(
+    cfg: OmniGRPOConfig,
+    run_dir: Path,
+    t_start: float,
+    resume: bool,
+    overwrite: bool,
+    progress: bool,
+    stop_after: int | None,
+) -> TrainResult:
+    """The run itself, in a run directory this process owns (see :func:`train`)."""
     fingerprint = config_fingerprint(cfg)
     claim_run_dir(run_dir, resume=resume, overwrite=overwrite)
     if resume:
@@ -411,8 +468,10 @@ def train(
     # --- resume
     state = TrainState()
     ckpt = latest_checkpoint(run_dir) if resume else None
+    pending: dict[str, Any] | None = None  # the row of a step stopped by its weight sync
     if ckpt is not None:
         state, weights, optim_state, rng = load_checkpoint(ckpt)
+        pending = state.extra.pop(PENDING_ROW, None)
         backend.load_trainable_state(weights)
         backend.load_optimizer_state(optim_state)
         restore_rng(rng)
@@ -473,6 +532,27 @@ def train(
 
     eval_every = cfg.eval.every
     watch = SignalWatch(cfg.run.collapse_warn_steps)
+
+    def complete_pending_row(
+        step: int, row: dict[str, Any], pushed: dict[str, float]
+    ) -> dict[str, float]:
+        """The row of checkpointed step ``step`` whose weight sync failed, written now that the
+        engine holds its weights: with the sync's numbers, and its evaluation if one is due.
+        A resume that already wrote it (and was stopped later) finds it in the file: not again.
+        Returns the step's evaluation."""
+        eval_keys = ("eval/", "pre_warmup/")
+        for old in read_metrics(run_dir):
+            if old["step"] == step:
+                return {k: v for k, v in old.items() if k.startswith(eval_keys)}
+        row = {**row, **pushed}
+        evaluated: dict[str, float] = {}
+        if eval_every and step % eval_every == 0 or step == cfg.run.steps:
+            evaluated = run_eval()
+            row.update(evaluated)
+        watch.replay([row])
+        if step % cfg.run.log_every == 0 or evaluated:
+            logger.log(step, row)
+        return evaluated
     if ckpt is not None:
         watch.replay(read_metrics(run_dir))  # the logger kept exactly the checkpoint's steps
     last_eval: dict[str, float] = {}
@@ -480,9 +560,11 @@ def train(
     ahead_batch = None  # the next step's rollouts in flight (max_staleness 1)
     try:
         if ckpt is not None:  # an engine with its own weights starts from the checkpoint's
-            push_weights(f"step-{state.step}")
+            pushed = push_weights(f"step-{state.step}")
             if state.warmup_done:
                 anchor_reference(backend, run_dir, cfg.algo, save=False)
+            if pending is not None and pending.get("step") == state.step:
+                last_eval = complete_pending_row(state.step, pending["metrics"], pushed)
         # --- optional format warm-up (once per run, before step 1)
         warm = cfg.trainer.warmup
         if warm is not None and warm.steps > 0 and not state.warmup_done:
@@ -555,22 +637,7 @@ def train(
                     )
                 )
                 t_train = time.perf_counter() - t1
-                # weight sync (engines with their own copy; the embedded engine shares the module)
-                if sync is not None:
-                    try:
-                        metrics.update(push_weights(f"step-{step}"))
-                    except Exception:
-                        # The sync retried what it could; keep the step's update before stopping.
-                        state.step = step
-                        checkpoint()
-                        log.error(
-                            "weight sync of step %d failed; saved the checkpoint of step %d first "
-                            "(resume with --resume: the weights are pushed again)",
-                            step,
-                            step,
-                        )
-                        raise
-                # metrics / eval / checkpoint
+                # the step's metrics, all but what needs the new weights on the engine
                 metrics.update(rollout_metrics(groups, rewards))
                 if sync is not None:  # engines with their own weights report their versions
                     metrics.update(staleness_metrics(groups, step - 1, cfg.rollout.max_staleness))
@@ -583,6 +650,28 @@ def train(
                         if k.startswith("skipped")
                     }
                 )
+                # weight sync (engines with their own copy; the embedded engine shares the module)
+                if sync is not None:
+                    try:
+                        metrics.update(push_weights(f"step-{step}"))
+                    except Exception:
+                        # The sync retried what it could; keep the step's update before stopping,
+                        # with its metrics row: the resume writes it once the weights are pushed.
+                        state.step = step
+                        metrics["time/step_s"] = time.perf_counter() - t0
+                        state.extra[PENDING_ROW] = {"step": step, "metrics": plain(metrics)}
+                        try:
+                            checkpoint()
+                        finally:
+                            state.extra.pop(PENDING_ROW, None)
+                        log.error(
+                            "weight sync of step %d failed; saved the checkpoint of step %d first "
+                            "(resume with --resume: the weights are pushed again)",
+                            step,
+                            step,
+                        )
+                        raise
+                # eval / metrics row / checkpoint
                 if eval_every and step % eval_every == 0 or step == cfg.run.steps:
                     last_eval = run_eval()
                     metrics.update(last_eval)

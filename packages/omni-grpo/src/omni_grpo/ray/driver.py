@@ -40,12 +40,15 @@ from typing import TYPE_CHECKING, Any
 
 from omni_grpo.ray.errors import ActorFailure
 from omni_grpo.ray.placement import (
+    PlacementError,
     PlacementPlan,
     actor_options,
     create_placement_group,
     plan_run,
     rank_env,
 )
+from omni_grpo.ray.resources import check_cluster_resources, pending_actors, pending_error
+from omni_grpo.run.signals import keep_signal_handlers
 from omni_grpo.serve import tail
 
 if TYPE_CHECKING:
@@ -91,15 +94,18 @@ def connect(ray_cfg: Any) -> bool:
     if ray.is_initialized():
         return False
     env = {k: os.environ[k] for k in PROPAGATED_ENV if k in os.environ}
-    if address:
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-    else:
-        ray.init(
-            num_cpus=ray_cfg.num_cpus or os.cpu_count(),
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": env},
-        )
+    # ray.init installs its own SIGTERM handlers (one exits, the core worker's dumps a native
+    # stack and aborts): the run's own stop handlers (omni_grpo.run.signals) are put back.
+    with keep_signal_handlers():
+        if address:
+            ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+        else:
+            ray.init(
+                num_cpus=ray_cfg.num_cpus or os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": env},
+            )
     return True
 
 
@@ -110,6 +116,7 @@ class ActorSet:
     role: str  # "trainer rank" | "rollout actor" | "server"
     handles: list[Any] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    request: str = ""  # the config fields of what each actor asks Ray for (placement errors)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -135,10 +142,18 @@ class ActorSet:
         return ActorFailure(head + where)
 
     def get(
-        self, refs: Sequence[Any], indices: Any, what: str, timeout_s: float | None = None
+        self,
+        refs: Sequence[Any],
+        indices: Any,
+        what: str,
+        timeout_s: float | None = None,
+        placed_by: tuple[float, float] | None = None,
     ) -> list[Any]:
         """Results of ``refs`` (one per actor index in ``indices``), in order; the first actor to
-        fail raises :class:`ActorFailure` at once, whatever the others are doing."""
+        fail raises :class:`ActorFailure` at once, whatever the others are doing.
+
+        ``placed_by`` = (monotonic time, the seconds it stands for): an actor Ray has still not
+        placed on a node by then raises :class:`PlacementError` naming what it asks for."""
         import ray
 
         indices = list(indices)
@@ -146,6 +161,16 @@ class ActorSet:
         results: list[Any] = [None] * len(refs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
+            if placed_by is not None and time.monotonic() > placed_by[0]:
+                waiting = sorted(indices[k] for k in pending.values())
+                late = pending_actors([self.handles[i] for i in waiting])
+                if late:
+                    raise PlacementError(
+                        pending_error(
+                            self.role, [waiting[i] for i in late], self.request, placed_by[1]
+                        )
+                    )
+                placed_by = None  # all placed: what is left is start-up time
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             for ref in ready:
                 k = pending.pop(ref)
@@ -364,7 +389,10 @@ def start_servers(cfg: Any, run_dir: Path) -> tuple[ActorSet, list[Any]]:
 
     from omni_grpo.ray.actors import ServerActor
 
-    servers = ActorSet("server")
+    servers = ActorSet(
+        "server",
+        request="rollout.sglang.launch.cpus_per_server / gpus_per_server",
+    )
     refs: list[Any] = []
     launch = cfg.rollout.sglang.launch if cfg.rollout.engine == "sglang-omni" else None
     if launch is None:
@@ -391,7 +419,7 @@ def start_trainers(
 
     from omni_grpo.ray.actors import TrainerActor
 
-    trainers = ActorSet("trainer rank")
+    trainers = ActorSet("trainer rank", request="ray.cpus_per_trainer")
     pg = create_placement_group(plan, cfg.ray.start_timeout_s)
     remote = ray.remote(TrainerActor)
     for r in range(plan.world_size):
@@ -422,7 +450,7 @@ def start_rollout_actors(
 
     from omni_grpo.ray.actors import RolloutActor
 
-    rollouts = ActorSet("rollout actor")
+    rollouts = ActorSet("rollout actor", request="rollout.embedded.cpus_per_actor")
     refs: list[Any] = []
     if cfg.rollout.engine != "embedded":
         return rollouts, refs
@@ -459,6 +487,9 @@ def start_ray_run(
     run = RayRun(plan, None, None, None, cfg.rollout, owns_ray=connect(cfg.ray))
     deadline = cfg.ray.start_timeout_s * 4  # model loading on a busy machine included
     try:
+        check_cluster_resources(plan, cfg)  # what can never be placed: refused before starting
+        # an actor that could be placed but is not (a busy cluster): refused after this
+        placed_by = (time.monotonic() + cfg.ray.start_timeout_s, cfg.ray.start_timeout_s)
         servers, server_urls = start_servers(cfg, run_dir)
         run.groups.append(servers)
         trainers, run.placement_group, trainer_setups = start_trainers(
@@ -467,14 +498,16 @@ def start_ray_run(
         run.groups.append(trainers)
         rollouts, rollout_setups = start_rollout_actors(cfg, plan, run_dir, eos_token_ids)
         run.groups.append(rollouts)
-        infos = trainers.get(trainer_setups, range(len(trainers)), "start-up", deadline)
+        infos = trainers.get(
+            trainer_setups, range(len(trainers)), "start-up", deadline, placed_by
+        )
         run.backend = RayTrainerGroup(
             trainers, plan, cfg.rollout.sglang.bucket_mb << 20, infos[0]["layout"]
         )
         if rollouts.handles:
             from omni_grpo.ray.rollout import ActorWeightSync, RayRolloutEngine
 
-            rollouts.get(rollout_setups, range(len(rollouts)), "start-up", deadline)
+            rollouts.get(rollout_setups, range(len(rollouts)), "start-up", deadline, placed_by)
             run.engine = RayRolloutEngine(rollouts, decode_fn)
             backend = cfg.rollout.embedded.sync_backend
             if backend == "auto":
@@ -488,7 +521,11 @@ def start_ray_run(
             )
             return run
         # sglang-omni (or a third-party engine) in the driver, against every server's URL
-        urls = servers.get(server_urls, range(len(servers)), "launch") if server_urls else []
+        urls = (
+            servers.get(server_urls, range(len(servers)), "launch", None, placed_by)
+            if server_urls
+            else []
+        )
         sg = cfg.rollout.sglang
         run.rollout = cfg.rollout.model_copy(
             update={"sglang": sg.model_copy(update={"urls": [*sg.urls, *urls]})}
