@@ -352,3 +352,105 @@ def test_an_exception_in_an_actor_is_one_line_with_its_log(tmp_path: Path) -> No
     head, *rest = str(err.value).splitlines()
     assert head.startswith("trainer rank 0 raised during step: ValueError: boom in the step")
     assert str(log) in head and any("about to fail" in line for line in rest)
+
+
+# ------------------------------------------------------------------ issue 30: kills and signals
+def _fault_config(tmp_path: Path, name: str, run: Path, steps: int) -> Path:
+    return write_config(
+        tmp_path,
+        name,
+        {
+            "run": {"dir": str(run), "steps": steps, "save_every": 2, "plots": False},
+            "eval": {"every": 0},
+            "data": {"synthetic": {"n_train": 8, "n_eval": 2}},
+            # one trainer rank and one rollout actor: a Ray run at its cheapest (2 actors)
+            "trainer": {"warmup": None, "world_size": 1},
+            "rollout": {"n_samples": 4, "prompts_per_step": 4, "embedded": {"actors": 1}},
+        },
+    )
+
+
+def test_kills_in_the_sync_and_the_checkpoint_keep_every_row_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout actor is killed during step 3's weight sync: the run stops naming it, after
+    checkpointing step 3 with its metrics row; the resume writes that row. Trainer rank 0 is
+    killed while step 4 is checkpointed: the resume goes back to step 3. ``metrics.jsonl`` ends
+    with steps 1..5 exactly once (before issue 30 the row of the sync's step was missing)."""
+    from omni_grpo.run.checkpoint import latest_checkpoint
+    from omni_grpo.testing.interrupts import at_moment, kill_actor
+
+    run = tmp_path / "run"
+    args = ["train", "--config", str(_fault_config(tmp_path, "kills", run, 5)), "--no-progress"]
+    killer = kill_actor(run, "rollout-0.log", "rollout actor 0")
+    with at_moment(monkeypatch, "sync", 3, killer, run) as hit:
+        first = CliRunner().invoke(main, args)
+    errors = [line for line in first.output.splitlines() if line.startswith("Error:")]
+    assert hit.fired and first.exit_code == 1 and len(errors) == 1, first.output
+    assert errors[0].startswith("Error: rollout actor 0 died during"), errors
+    assert "Traceback" not in first.output
+    assert latest_checkpoint(run).name == "step_000003"
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+
+    killer = kill_actor(run, "trainer-0.log", "trainer rank 0")
+    with at_moment(monkeypatch, "checkpoint", 4, killer, run) as hit:
+        second = CliRunner().invoke(main, [*args, "--resume"])
+    errors = [line for line in second.output.splitlines() if line.startswith("Error:")]
+    assert hit.fired and second.exit_code == 1, second.output
+    assert errors and errors[0].startswith("Error: trainer rank 0 died during checkpoint"), errors
+    assert latest_checkpoint(run).name == "step_000003"
+
+    third = CliRunner().invoke(main, [*args, "--resume"])
+    assert third.exit_code == 0, third.output
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[2]["weight_sync/tensors"] > 0 and "reward_mean" in records[2]
+
+
+def test_sigterm_to_a_ray_driver_is_one_line_and_its_dir_has_one_owner(tmp_path: Path) -> None:
+    """``omni-grpo train`` as its own process, a driver of this module's Ray: a second ``train``
+    into its run dir is refused naming its pid; SIGTERM stops it in one line with exit status
+    143 and no native stack dump of Ray's signal handler; ``--resume`` finishes every step once."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cfg = _fault_config(tmp_path, "sigterm", run, 5)
+    exe = Path(sys.executable).parent / "omni-grpo"
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = subprocess.Popen(
+        [str(exe), "train", "--config", str(cfg), "--no-progress"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not any(r["step"] >= 2 for r in _records(run)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no step 2 in 600 s"
+            time.sleep(0.2)
+        busy = CliRunner().invoke(main, ["train", "--config", str(cfg), "--resume"])
+        assert busy.exit_code == 1, busy.output
+        assert f"is in use by pid {proc.pid} on " in busy.output, busy.output
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM received" not in err and "PC: @" not in err and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("Error: stopped by SIGTERM after step "), last
+    assert "rerun with --resume" in last
+
+    resumed = CliRunner().invoke(main, ["train", "--config", str(cfg), "--no-progress", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    from omni_grpo.run.metrics import read_metrics
+
+    return read_metrics(run)

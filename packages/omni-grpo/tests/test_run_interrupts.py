@@ -70,7 +70,7 @@ def test_stops_at_every_moment_keep_each_row_once(
 
     # 1. SIGTERM while step 3's rollout is generated (one step ahead: during step 2)
     with (
-        at_moment(monkeypatch, "rollout", 3, signal_self(signal.SIGTERM)) as hit,
+        at_moment(monkeypatch, "rollout", 3, signal_self(signal.SIGTERM), run) as hit,
         pytest.raises(RunInterrupted) as info,
     ):
         train(cfg, progress=False)
@@ -78,9 +78,9 @@ def test_stops_at_every_moment_keep_each_row_once(
     assert "stopped by SIGTERM after step 1; rerun with --resume" in str(info.value)
     assert latest_checkpoint(run).name == "step_000001"
 
-    # 2. SIGINT during step 3's update (the second step this process runs)
+    # 2. SIGINT during step 3's update
     with (
-        at_moment(monkeypatch, "update", 2, signal_self(signal.SIGINT)) as hit,
+        at_moment(monkeypatch, "update", 3, signal_self(signal.SIGINT), run) as hit,
         pytest.raises(RunInterrupted, match="stopped by SIGINT after step 2"),
     ):
         train(cfg, resume=True, progress=False)
@@ -97,7 +97,7 @@ def test_stops_at_every_moment_keep_each_row_once(
 
     # 4. the resume writes row 4 (with step 4's evaluation), then SIGTERM while step 5 is saved
     with (
-        at_moment(monkeypatch, "checkpoint", 5, signal_self(signal.SIGTERM)) as hit,
+        at_moment(monkeypatch, "checkpoint", 5, signal_self(signal.SIGTERM), run) as hit,
         pytest.raises(RunInterrupted, match="after step 5; .* from step_000004"),
     ):
         train(cfg, resume=True, progress=False)
@@ -105,7 +105,7 @@ def test_stops_at_every_moment_keep_each_row_once(
     assert not list((run / "checkpoints").glob(".step_000005.tmp-*"))  # no half checkpoint
 
     # 5. a second process cannot take the directory while one runs
-    with at_moment(monkeypatch, "update", 1, lambda: _second_train(cfg)) as hit:
+    with at_moment(monkeypatch, "update", 5, lambda: _second_train(cfg), run) as hit:
         result = train(cfg, resume=True, progress=False)  # row 4 already written: not again
     assert hit.fired and result.steps == STEPS
     records = read_metrics(run)
@@ -132,7 +132,7 @@ def test_the_cli_stops_on_a_signal_in_one_line(tmp_path: Path, monkeypatch: pyte
     args = ["train", "--no-progress"]
     for o in _overrides(run, model):
         args += ["--set", o]
-    with at_moment(monkeypatch, "update", 2, signal_self(signal.SIGTERM)):
+    with at_moment(monkeypatch, "update", 2, signal_self(signal.SIGTERM), run):
         res = CliRunner().invoke(main, [*args, "--set", "run.steps=3"])
     assert res.exit_code == 128 + signal.SIGTERM, res.output
     assert "Traceback" not in res.output

@@ -188,17 +188,48 @@ class ActorSet:
         import ray
 
         deadline = time.monotonic() + timeout_s
-        while not all(w.is_completed() for w in works):
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.01)
+        try:
+            while not all(w.is_completed() for w in works):
+                ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.01)
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayError as err:
+                        raise self.failure(list(refs).index(ref), err, "weight sync") from None
+                if time.monotonic() > deadline:
+                    raise ActorFailure(
+                        f"weight broadcast to {self.role}s not done after {timeout_s}s"
+                    )
+            for w in works:
+                w.wait()
+        except ActorFailure:
+            raise
+        except Exception as err:  # noqa: BLE001 - the collective broke: say which actor broke it
+            raise self.collective_failure(refs, err, "weight sync") from None
+
+    def collective_failure(
+        self, refs: Sequence[Any], err: BaseException, what: str, grace_s: float = 10.0
+    ) -> ActorFailure:
+        """The error for a collective that failed on the driver's side ("Connection closed by
+        peer" when an actor died mid-broadcast): the actor whose call failed, named with its
+        log, if Ray reports one within ``grace_s``; else the collective's own error, one line."""
+        import ray
+
+        refs = list(refs)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
             for ref in ready:
                 try:
                     ray.get(ref)
-                except ray.exceptions.RayError as err:
-                    raise self.failure(list(refs).index(ref), err, "weight sync") from None
-            if time.monotonic() > deadline:
-                raise ActorFailure(f"weight broadcast to {self.role}s not done after {timeout_s}s")
-        for w in works:
-            w.wait()
+                except ray.exceptions.RayError as actor_err:
+                    return self.failure(refs.index(ref), actor_err, what)
+            if len(ready) == len(refs):
+                break
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        return ActorFailure(
+            f"{what} with the {self.role}s failed: {type(err).__name__}: {'; '.join(lines)}"
+        )
 
     def kill(self) -> None:
         import ray

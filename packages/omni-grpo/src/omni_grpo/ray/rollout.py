@@ -167,10 +167,13 @@ class ActorWeightSync:
                 )
                 for a in self.actors.handles
             ]
-            works = [
-                group.broadcast(flatten(bucket.tensors, idx).to(device), src=0)
-                for _, idx in dtype_runs(bucket.dtypes)
-            ]
+            try:
+                works = [
+                    group.broadcast(flatten(bucket.tensors, idx).to(device), src=0)
+                    for _, idx in dtype_runs(bucket.dtypes)
+                ]
+            except Exception as err:  # noqa: BLE001 - a peer is gone: name the actor
+                raise self.actors.collective_failure(refs, err, "weight sync") from None
             self.actors.wait_works(works, refs, self.timeout_s)
             self.actors.get(refs, range(len(refs)), "receive weights")
             report.buckets += 1

@@ -4,12 +4,14 @@ A run can be stopped anywhere: by a signal to the process running the loop, by a
 (``kill -9``, an OOM kill) or by a sync that fails. Whether every step's metrics row ends up
 written exactly once, and the run directory resumable, depends on the moment, so the tests pick
 it: :func:`at_moment` runs an action once, right before the loop's call of that moment in GRPO
-step ``step`` (counted from the first step this process runs):
+step ``step`` (with ``run_dir``, steps count on from the checkpoint a resumed run starts at):
 
-* ``rollout``: the engine's ``generate`` of the step's groups (``n > 1``: not an evaluation);
+* ``rollout``: the engine's ``generate`` of the step's groups (``n > 1``: not an evaluation;
+  with ``rollout.max_staleness: 1`` it runs during the step before);
 * ``update``: the backend's ``step``;
 * ``sync``: the weight sync's ``push`` of version ``step-<step>``;
-* ``checkpoint``: ``save_checkpoint`` of the step.
+* ``checkpoint``: the backend's ``trainable_state`` after the step's update (the checkpoint's
+  first read; on Ray a call into trainer rank 0).
 
 The hooks wrap the classes of one process and of the Ray driver alike (the stand-ins the driver
 hands the loop); the actions are :func:`signal_self` and :func:`kill_actor` (SIGKILL of an
@@ -51,18 +53,34 @@ TARGETS: dict[str, tuple[tuple[str, str], ...]] = {
         ("omni_grpo.sync.disk", "DiskWeightSync.push"),
         ("omni_grpo.sync.distributed", "DistributedWeightSync.push"),
     ),
-    "checkpoint": (("omni_grpo.trainer", "save_checkpoint"),),
+    "checkpoint": (
+        ("omni_grpo.backends.torch_backend", "TorchBackend.trainable_state"),
+        ("omni_grpo.ray.driver", "RayTrainerGroup.trainable_state"),
+    ),
 }
 
 
 class _Trigger:
     """Counts the moment's calls and fires the action once, at the chosen step."""
 
-    def __init__(self, moment: str, step: int, action: Callable[[], None]) -> None:
+    def __init__(
+        self, moment: str, step: int, action: Callable[[], None], run_dir: Path | None
+    ) -> None:
         self.moment, self.step, self.action = moment, step, action
-        self.calls = 0
+        self.run_dir = run_dir
+        self.calls: int | None = None  # counted calls, from the resumed step once known
+        self.updates = 0  # backend steps seen (the checkpoint moment follows the step's update)
         self.fired = False
         self.inside = threading.local()
+
+    def _start(self) -> int:
+        """The step a resumed run starts after (its latest checkpoint), read at the first call."""
+        if self.run_dir is None:
+            return 0
+        from omni_grpo.run.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir)
+        return int(ckpt.name.removeprefix("step_")) if ckpt is not None else 0
 
     def due(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this call (``args`` without ``self``) is the chosen one."""
@@ -71,15 +89,28 @@ class _Trigger:
         if self.moment == "sync":
             version = kwargs.get("version", args[1] if len(args) > 1 else None)
             return str(version) == f"step-{self.step}"
+        if self.calls is None:
+            self.calls = self.updates = self._start()
         if self.moment == "checkpoint":
-            state = kwargs.get("state", args[1] if len(args) > 1 else None)
-            return getattr(state, "step", None) == self.step
+            return self.updates == self.step
         if self.moment == "rollout":
             n = kwargs.get("n", args[1] if len(args) > 1 else 0)
             if not isinstance(n, int) or n <= 1:
                 return False  # an evaluation (one greedy sample per prompt)
         self.calls += 1
         return self.calls == self.step
+
+    def count_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap a backend ``step`` to count updates (for the checkpoint moment)."""
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.calls is None:
+                self.calls = self.updates = self._start()
+            out = original(*args, **kwargs)
+            self.updates += 1
+            return out
+
+        return counted
 
     def wrap(self, original: Callable[..., Any], bound: bool) -> Callable[..., Any]:
         def hooked(*args: Any, **kwargs: Any) -> Any:
@@ -101,7 +132,11 @@ class _Trigger:
 
 @contextlib.contextmanager
 def at_moment(
-    monkeypatch: pytest.MonkeyPatch, moment: str, step: int, action: Callable[[], None]
+    monkeypatch: pytest.MonkeyPatch,
+    moment: str,
+    step: int,
+    action: Callable[[], None],
+    run_dir: Path | None = None,
 ) -> Iterator[_Trigger]:
     """Run ``action`` once, right before ``moment`` of GRPO step ``step`` (see module doc);
     the yielded trigger's ``fired`` says whether the moment came."""
@@ -109,7 +144,7 @@ def at_moment(
         raise ValueError(f"moment {moment!r} is not one of {MOMENTS}")
     import importlib
 
-    trigger = _Trigger(moment, step, action)
+    trigger = _Trigger(moment, step, action, run_dir)
     with monkeypatch.context() as patch:
         for module_name, attr in TARGETS[moment]:
             module = importlib.import_module(module_name)
@@ -117,6 +152,11 @@ def at_moment(
             owner = getattr(module, owner_name) if owner_name else module
             original = getattr(owner, name)
             patch.setattr(owner, name, trigger.wrap(original, bound=bool(owner_name)))
+        if moment == "checkpoint":
+            for module_name, attr in TARGETS["update"]:
+                owner_name, _, name = attr.rpartition(".")
+                owner = getattr(importlib.import_module(module_name), owner_name)
+                patch.setattr(owner, name, trigger.count_update(getattr(owner, name)))
         yield trigger
 
 
