@@ -454,3 +454,33 @@ def _records(run: Path) -> list[dict[str, Any]]:
     from omni_grpo.run.metrics import read_metrics
 
     return read_metrics(run)
+
+
+class _Hog:
+    """Holds CPUs of the cluster, as another job would."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_an_actor_left_pending_stops_the_run_at_the_placement_deadline(tmp_path: Path) -> None:
+    """The layout fits the cluster, but its CPUs are taken: the rollout actor is never placed.
+    The run stops after ray.start_timeout_s naming the field (before issue 30 it waited for the
+    whole start-up deadline, 4 x ray.start_timeout_s, without saying why)."""
+    hog = ray.remote(_Hog).options(num_cpus=1.6).remote()  # 0.4 of 2 left: the trainer fits
+    try:
+        ray.get(hog.ready.remote(), timeout=120)
+        run = tmp_path / "run"
+        cfg = _fault_config(tmp_path, "pending", run, 2)
+        start = time.monotonic()
+        res = CliRunner().invoke(
+            main, ["train", "--config", str(cfg), "--set", "ray.start_timeout_s=5"]
+        )
+        took = time.monotonic() - start
+    finally:
+        ray.kill(hog)
+    assert res.exit_code == 2, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("Error: rollout actor [0] still not placed by Ray after 5s"), last
+    assert "rollout.embedded.cpus_per_actor" in last and "ray.start_timeout_s" in last
+    assert took < 120, took
