@@ -279,3 +279,42 @@ def test_every_staged_writer_reports_a_full_disk(tmp_path: Path) -> None:
     assert msg.startswith(f"disk full while writing dataset: {tmp_path} has ")
     assert "at least 5.0 KB needed" in msg
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------- issue 30: a run directory has one owner
+_HOLD = """
+import sys, time
+from omni_grpo.run.lock import own_run_dir
+with own_run_dir(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_dir_is_owned_by_one_process_and_freed_when_it_dies(tmp_path: Path) -> None:
+    from omni_grpo.run.lock import LOCK_FILE, RunDirBusyError, own_run_dir
+
+    run = tmp_path / "run"
+    with own_run_dir(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+        busy = pytest.raises(RunDirBusyError, match=f"in use by pid {os.getpid()} on ")
+        with busy, own_run_dir(run):
+            pass
+    assert not (run / LOCK_FILE).exists()  # a finished owner leaves the directory as it was
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(run)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirBusyError) as info, own_run_dir(run):
+            pass
+        msg = str(info.value)
+        assert (
+            f"pid {holder.pid} on " in msg and "choose another run.dir" in msg and "\n" not in msg
+        )
+    finally:
+        holder.kill()  # kill -9: the kernel drops the lock, the file stays behind
+        holder.wait()
+    assert (run / LOCK_FILE).exists()
+    with own_run_dir(run):  # a dead owner's file is simply taken over
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
