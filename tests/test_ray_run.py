@@ -370,18 +370,29 @@ def _fault_config(tmp_path: Path, name: str, run: Path, steps: int) -> Path:
     )
 
 
-def test_kills_in_the_sync_and_the_checkpoint_keep_every_row_once(
+def test_a_ray_run_stopped_at_several_moments_keeps_every_row_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The rollout actor is killed during step 3's weight sync: the run stops naming it, after
-    checkpointing step 3 with its metrics row; the resume writes that row. Trainer rank 0 is
-    killed while step 4 is checkpointed: the resume goes back to step 3. ``metrics.jsonl`` ends
-    with steps 1..5 exactly once (before issue 30 the row of the sync's step was missing)."""
+    """One Ray run (a trainer rank and a rollout actor), stopped three times, resumed each time:
+
+    1. the rollout actor is killed during step 3's weight sync: the run stops naming it, after
+       checkpointing step 3 with its metrics row (before issue 30 that row was never written);
+    2. ``omni-grpo train --resume`` as its own process (a driver of this module's Ray) writes the
+       row, trains on; a second ``train`` into its directory is refused naming its pid; SIGTERM
+       stops it in one line, exit status 143, without the native stack dump Ray's handler printed;
+    3. trainer rank 0 is killed while step 6 is checkpointed: the resume goes back a step.
+
+    The last resume finishes: ``metrics.jsonl`` holds steps 1..6, each exactly once."""
+    import subprocess
+    import sys
+
     from omni_grpo.run.checkpoint import latest_checkpoint
     from omni_grpo.testing.interrupts import at_moment, kill_actor
 
     run = tmp_path / "run"
-    args = ["train", "--config", str(_fault_config(tmp_path, "kills", run, 5)), "--no-progress"]
+    cfg = _fault_config(tmp_path, "stops", run, 6)
+    args = ["train", "--config", str(cfg), "--no-progress"]
+
     killer = kill_actor(run, "rollout-0.log", "rollout actor 0")
     with at_moment(monkeypatch, "sync", 3, killer, run) as hit:
         first = CliRunner().invoke(main, args)
@@ -392,34 +403,10 @@ def test_kills_in_the_sync_and_the_checkpoint_keep_every_row_once(
     assert latest_checkpoint(run).name == "step_000003"
     assert [r["step"] for r in metrics(run)] == [1, 2]
 
-    killer = kill_actor(run, "trainer-0.log", "trainer rank 0")
-    with at_moment(monkeypatch, "checkpoint", 4, killer, run) as hit:
-        second = CliRunner().invoke(main, [*args, "--resume"])
-    errors = [line for line in second.output.splitlines() if line.startswith("Error:")]
-    assert hit.fired and second.exit_code == 1, second.output
-    assert errors and errors[0].startswith("Error: trainer rank 0 died during checkpoint"), errors
-    assert latest_checkpoint(run).name == "step_000003"
-
-    third = CliRunner().invoke(main, [*args, "--resume"])
-    assert third.exit_code == 0, third.output
-    records = metrics(run)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert records[2]["weight_sync/tensors"] > 0 and "reward_mean" in records[2]
-
-
-def test_sigterm_to_a_ray_driver_is_one_line_and_its_dir_has_one_owner(tmp_path: Path) -> None:
-    """``omni-grpo train`` as its own process, a driver of this module's Ray: a second ``train``
-    into its run dir is refused naming its pid; SIGTERM stops it in one line with exit status
-    143 and no native stack dump of Ray's signal handler; ``--resume`` finishes every step once."""
-    import subprocess
-    import sys
-
-    run = tmp_path / "run"
-    cfg = _fault_config(tmp_path, "sigterm", run, 5)
     exe = Path(sys.executable).parent / "omni-grpo"
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     proc = subprocess.Popen(
-        [str(exe), "train", "--config", str(cfg), "--no-progress"],
+        [str(exe), *args, "--resume"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -427,11 +414,11 @@ def test_sigterm_to_a_ray_driver_is_one_line_and_its_dir_has_one_owner(tmp_path:
     )
     try:
         deadline = time.monotonic() + 600
-        while not any(r["step"] >= 2 for r in _records(run)):
+        while not any(r["step"] >= 4 for r in _records(run)):
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no step 2 in 600 s"
+            assert time.monotonic() < deadline, "no step 4 in 600 s"
             time.sleep(0.2)
-        busy = CliRunner().invoke(main, ["train", "--config", str(cfg), "--resume"])
+        busy = CliRunner().invoke(main, [*args, "--resume"])
         assert busy.exit_code == 1, busy.output
         assert f"is in use by pid {proc.pid} on " in busy.output, busy.output
         proc.send_signal(signal.SIGTERM)
@@ -445,9 +432,18 @@ def test_sigterm_to_a_ray_driver_is_one_line_and_its_dir_has_one_owner(tmp_path:
     assert last.startswith("Error: stopped by SIGTERM after step "), last
     assert "rerun with --resume" in last
 
-    resumed = CliRunner().invoke(main, ["train", "--config", str(cfg), "--no-progress", "--resume"])
-    assert resumed.exit_code == 0, resumed.output
-    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
+    killer = kill_actor(run, "trainer-0.log", "trainer rank 0")
+    with at_moment(monkeypatch, "checkpoint", 6, killer, run) as hit:
+        third = CliRunner().invoke(main, [*args, "--resume"])
+    errors = [line for line in third.output.splitlines() if line.startswith("Error:")]
+    assert hit.fired and third.exit_code == 1, third.output
+    assert errors and errors[0].startswith("Error: trainer rank 0 died during checkpoint"), errors
+
+    last_run = CliRunner().invoke(main, [*args, "--resume"])
+    assert last_run.exit_code == 0, last_run.output
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[2]["weight_sync/tensors"] > 0 and "reward_mean" in records[2]
 
 
 def _records(run: Path) -> list[dict[str, Any]]:

@@ -56,7 +56,7 @@ from omni_grpo.run.rundir import (
     config_fingerprint,
     run_temp_parents,
 )
-from omni_grpo.run.signals import RunInterrupted, stop_on_signals
+from omni_grpo.run.signals import find_interrupt, stop_on_signals
 from omni_grpo.run.stored_config import store_run_config
 from omni_grpo.sglang import checkpoint_media_ids
 from omni_grpo.types import Completion, GRPOBatch, PromptInputs, TrainerBackend
@@ -354,9 +354,12 @@ def train(
     with stop_on_signals(), own_run_dir(run_dir):
         try:
             return _train(cfg, run_dir, t_start, resume, overwrite, progress, stop_after)
-        except RunInterrupted as stop:
+        except BaseException as exc:
+            stop = find_interrupt(exc)  # also when it came back wrapped (a signal inside Ray)
+            if stop is None:
+                raise
             stop.where = resume_note(run_dir)
-            raise
+            raise stop from None
 
 
 def resume_note(run_dir: Path) -> str:
@@ -654,7 +657,9 @@ def _train(
                 if sync is not None:
                     try:
                         metrics.update(push_weights(f"step-{step}"))
-                    except Exception:
+                    except Exception as err:
+                        if find_interrupt(err) is not None:
+                            raise  # a stop signal arrived during the sync: not a failed sync
                         # The sync retried what it could; keep the step's update before stopping,
                         # with its metrics row: the resume writes it once the weights are pushed.
                         state.step = step

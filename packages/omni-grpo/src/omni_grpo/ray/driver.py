@@ -48,7 +48,7 @@ from omni_grpo.ray.placement import (
     rank_env,
 )
 from omni_grpo.ray.resources import check_cluster_resources, pending_actors, pending_error
-from omni_grpo.run.signals import keep_signal_handlers
+from omni_grpo.run.signals import find_interrupt, keep_signal_handlers
 from omni_grpo.serve import tail
 
 if TYPE_CHECKING:
@@ -205,6 +205,8 @@ class ActorSet:
         except ActorFailure:
             raise
         except Exception as err:  # noqa: BLE001 - the collective broke: say which actor broke it
+            if find_interrupt(err) is not None:
+                raise  # a stop signal, not a broken collective
             raise self.collective_failure(refs, err, "weight sync") from None
 
     def collective_failure(

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from omni_grpo.ray.errors import ActorFailure
+from omni_grpo.run.signals import find_interrupt
 from omni_grpo.sync.base import NamedTensors, SourceLayout, SyncReport, WeightSyncError
 from omni_grpo.sync.buckets import buckets, dtype_runs, flatten
 from omni_grpo.sync.group import build_group, host_store
@@ -173,6 +174,8 @@ class ActorWeightSync:
                     for _, idx in dtype_runs(bucket.dtypes)
                 ]
             except Exception as err:  # noqa: BLE001 - a peer is gone: name the actor
+                if find_interrupt(err) is not None:
+                    raise  # a stop signal, not a broken collective
                 raise self.actors.collective_failure(refs, err, "weight sync") from None
             self.actors.wait_works(works, refs, self.timeout_s)
             self.actors.get(refs, range(len(refs)), "receive weights")

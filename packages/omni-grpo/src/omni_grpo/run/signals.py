@@ -44,6 +44,24 @@ class RunInterrupted(BaseException):  # noqa: N818 - a stop request, like Keyboa
         return f"stopped by {self.name}{self.where}"
 
 
+def find_interrupt(exc: BaseException | None) -> RunInterrupted | None:
+    """The :class:`RunInterrupted` behind ``exc``, if any. Raised inside a C extension's call
+    (Ray's ``CoreWorker.wait``) it comes back wrapped, as the cause of a ``SystemError``
+    ("returned a result with an exception set"), and code cleaning up after it may raise again
+    with it as the context: the whole chain is searched."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        if isinstance(err, RunInterrupted):
+            return err
+        seen.add(id(err))
+        todo += [err.__cause__, err.__context__]
+    return None
+
+
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
