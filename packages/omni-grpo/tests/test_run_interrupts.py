@@ -141,3 +141,21 @@ def test_the_cli_stops_on_a_signal_in_one_line(tmp_path: Path, monkeypatch: pyte
     res = CliRunner().invoke(main, [*args, "--set", "run.steps=3", "--resume"])
     assert res.exit_code == 0, res.output
     assert _steps(run) == [0, 1, 2, 3]
+
+
+def test_a_stop_wrapped_by_a_c_extension_is_still_found() -> None:
+    """Raised inside Ray's ``CoreWorker.wait``, the stop comes back as the cause of a
+    ``SystemError``; code cleaning up after it may raise again with it as the context."""
+    from omni_grpo.run.signals import find_interrupt
+
+    stop = RunInterrupted(signal.SIGTERM)
+    try:
+        try:
+            raise SystemError(
+                "<cyfunction CoreWorker.wait> returned a result with an exception set"
+            ) from stop
+        except SystemError:
+            raise RuntimeError("closing the actors failed") from None
+    except RuntimeError as err:
+        assert find_interrupt(err) is stop
+    assert find_interrupt(ValueError("plain")) is None
