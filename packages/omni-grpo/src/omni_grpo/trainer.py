@@ -556,6 +556,7 @@ def _train(
         if step % cfg.run.log_every == 0 or evaluated:
             logger.log(step, row)
         return evaluated
+
     if ckpt is not None:
         watch.replay(read_metrics(run_dir))  # the logger kept exactly the checkpoint's steps
     last_eval: dict[str, float] = {}
