@@ -37,6 +37,7 @@ PAGES = (
     "docs/datasets.md",
     "docs/server-contract.md",
     "docs/benchmarks.md",
+    "docs/run-faults.md",
 )
 
 SHELL_LANGS = frozenset({"bash", "sh", "shell"})
