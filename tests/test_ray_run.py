@@ -480,3 +480,35 @@ def test_an_actor_left_pending_stops_the_run_at_the_placement_deadline(tmp_path:
     assert last.startswith("Error: rollout actor [0] still not placed by Ray after 5s"), last
     assert "rollout.embedded.cpus_per_actor" in last and "ray.start_timeout_s" in last
     assert took < 120, took
+
+
+class _SlowStart:
+    """An actor whose constructor takes a while (loading a model on a busy machine)."""
+
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_placed_actor_still_starting_is_not_taken_for_a_pending_one() -> None:
+    """Ray says PENDING_CREATION until ``__init__`` returns; the placement deadline must only
+    stop actors that no node took (no worker process yet), not slow starters."""
+    from omni_grpo.ray.driver import ActorSet
+    from ray._private import state
+
+    actors = ActorSet("trainer rank", [ray.remote(_SlowStart).options(num_cpus=0.1).remote(15.0)])
+    try:
+        actor_id = actors.handles[0]._actor_id.hex()
+        deadline = time.monotonic() + 120
+        while not state.actors(actor_id=actor_id).get("Pid"):  # a worker took it: placed
+            assert time.monotonic() < deadline, "the actor got no worker in 120 s"
+            time.sleep(0.2)
+        info = state.actors(actor_id=actor_id)
+        print("state while its constructor runs:", info["State"])
+        placed_by = (time.monotonic() - 1.0, 1.0)  # the deadline has passed
+        refs = [actors.handles[0].ready.remote()]
+        assert actors.get(refs, [0], "start-up", 120, placed_by) == [True]
+    finally:
+        actors.kill()

@@ -203,7 +203,11 @@ PENDING_STATES = frozenset({"PENDING_CREATION", "DEPENDENCIES_UNREADY"})
 
 
 def pending_actors(handles: Sequence[Any]) -> list[int]:
-    """Indices of ``handles`` whose actor Ray has not placed yet (empty if Ray cannot tell)."""
+    """Indices of ``handles`` whose actor Ray has not placed yet (empty if Ray cannot tell).
+
+    Ray reports ``PENDING_CREATION`` until the actor's ``__init__`` returns, so a placed actor
+    still loading its model is pending too; only one without a worker process (pid 0: no node
+    had the resources for it) counts as not placed."""
     try:
         from ray._private import state
     except ImportError:  # pragma: no cover - a Ray without the developer API
@@ -214,7 +218,7 @@ def pending_actors(handles: Sequence[Any]) -> list[int]:
             info = state.actors(actor_id=handle._actor_id.hex())
         except Exception:  # noqa: BLE001 - a diagnostic only: never a failure of its own
             return []
-        if info.get("State") in PENDING_STATES:
+        if info.get("State") in PENDING_STATES and not info.get("Pid"):
             out.append(i)
     return out
 
