@@ -373,16 +373,17 @@ def _fault_config(tmp_path: Path, name: str, run: Path, steps: int) -> Path:
 def test_a_ray_run_stopped_at_several_moments_keeps_every_row_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One Ray run (a trainer rank and a rollout actor), stopped three times, resumed each time:
+    """One Ray run (a trainer rank and a rollout actor), stopped twice, resumed each time:
 
     1. the rollout actor is killed during step 3's weight sync: the run stops naming it, after
        checkpointing step 3 with its metrics row (before issue 30 that row was never written);
     2. ``omni-grpo train --resume`` as its own process (a driver of this module's Ray) writes the
        row, trains on; a second ``train`` into its directory is refused naming its pid; SIGTERM
-       stops it in one line, exit status 143, without the native stack dump Ray's handler printed;
-    3. trainer rank 0 is killed while step 6 is checkpointed: the resume goes back a step.
+       stops it in one line, exit status 143, without the native stack dump Ray's handler printed.
 
-    The last resume finishes: ``metrics.jsonl`` holds steps 1..6, each exactly once."""
+    The last resume finishes: ``metrics.jsonl`` holds steps 1..6, each exactly once. (A kill at
+    the checkpoint or the update goes back to the last checkpoint like any kill: the one-process
+    test covers those moments, ``test_tiny_ray_survives_a_killed_rank_and_learns`` a rank.)"""
     import subprocess
     import sys
 
@@ -431,13 +432,6 @@ def test_a_ray_run_stopped_at_several_moments_keeps_every_row_once(
     last = err.strip().splitlines()[-1]
     assert last.startswith("Error: stopped by SIGTERM after step "), last
     assert "rerun with --resume" in last
-
-    killer = kill_actor(run, "trainer-0.log", "trainer rank 0")
-    with at_moment(monkeypatch, "checkpoint", 6, killer, run) as hit:
-        third = CliRunner().invoke(main, [*args, "--resume"])
-    errors = [line for line in third.output.splitlines() if line.startswith("Error:")]
-    assert hit.fired and third.exit_code == 1, third.output
-    assert errors and errors[0].startswith("Error: trainer rank 0 died during checkpoint"), errors
 
     last_run = CliRunner().invoke(main, [*args, "--resume"])
     assert last_run.exit_code == 0, last_run.output

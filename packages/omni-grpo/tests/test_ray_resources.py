@@ -103,3 +103,23 @@ def test_plan_and_train_refuse_at_once_and_make_nothing(tmp_path: Path) -> None:
         ],
     )
     assert res.exit_code == 2 and "asks Ray for 4 GPU(s)" in res.output, res.output
+
+
+def test_a_ray_that_does_not_start_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's own start-up failure (a bare ``Exception`` on a machine too busy) names Ray and the
+    way out instead of being an internal error."""
+    ray = pytest.importorskip("ray")
+    from omni_grpo.config import RayConfig
+    from omni_grpo.ray.driver import connect
+
+    def init(**_: object) -> None:
+        raise Exception("The current node timed out during startup.\nSee the raylet logs.")
+
+    monkeypatch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # connect() sets it otherwise
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError) as info:
+        connect(RayConfig(num_cpus=2))
+    msg = str(info.value)
+    assert msg.startswith("Ray did not start on this machine (The current node timed out")
+    assert "\n" not in msg and "ray.address" in msg

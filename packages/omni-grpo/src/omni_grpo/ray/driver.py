@@ -97,15 +97,24 @@ def connect(ray_cfg: Any) -> bool:
     # ray.init installs its own SIGTERM handlers (one exits, the core worker's dumps a native
     # stack and aborts): the run's own stop handlers (omni_grpo.run.signals) are put back.
     with keep_signal_handlers():
-        if address:
-            ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-        else:
-            ray.init(
-                num_cpus=ray_cfg.num_cpus or os.cpu_count(),
-                include_dashboard=False,
-                log_to_driver=False,
-                runtime_env={"env_vars": env},
-            )
+        try:
+            if address:
+                ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+            else:
+                ray.init(
+                    num_cpus=ray_cfg.num_cpus or os.cpu_count(),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    runtime_env={"env_vars": env},
+                )
+        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception ("node timed out")
+            where = f"at {address}" if address else "on this machine"
+            why = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+            raise RuntimeError(
+                f"Ray did not start {where} ({why or type(err).__name__}); nothing of the run "
+                "was started: rerun (a machine too busy delays Ray's own start-up), or set "
+                "ray.address to a running Ray"
+            ) from err
     return True
 
 
