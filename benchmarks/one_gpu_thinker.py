@@ -282,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_grad_norm=1.0,
         lora=lora,
         gradient_checkpointing=True,
+        compile=args.compile,
     )
     algo = AlgoConfig(kl_coef=0.01, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
     backend = TorchBackend(thinker, trainer_cfg, algo, pad_token_id=pad, device=device)
@@ -369,6 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "micro_batch_size": args.micro_batch_size,
             "micro_batch_tokens": args.micro_batch_tokens,
             "gradient_checkpointing": True,
+            "compile": args.compile,
         },
         "limits": limits,
         "roofline": {
@@ -385,7 +387,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "trl": trl,
         "samples_per_s_ratio_vs_trl": ours_samples_per_s / trl["samples_per_s"] if trl else None,
         "versions": _versions(),
+        "dynamo": _dynamo_counters() if args.compile else None,
     }
+
+
+def _dynamo_counters() -> dict[str, Any]:
+    """How many graphs ``trainer.compile`` made and where it broke them (a break costs fusion)."""
+    from torch._dynamo.utils import counters
+
+    breaks = {k.split("\n")[0][:120]: v for k, v in counters["graph_break"].items()}
+    return {"stats": dict(counters["stats"]), "graph_breaks": breaks}
 
 
 def run_trl_side(
@@ -499,6 +510,9 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument(
         "--micro-batch-tokens", type=int, default=None, help="pack rows of several prompts"
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="trainer.compile: the decoder layers' parts compiled"
     )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

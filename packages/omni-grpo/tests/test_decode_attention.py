@@ -64,6 +64,8 @@ def test_kv_cache_that_cannot_fit_is_refused_with_its_size(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 << 30)
     cuda = torch.device("cuda")
-    with pytest.raises(gen.KVCacheTooLarge, match=r"256 rows x 1024 tokens needs 24.0 GiB but 12.0"):
+    with pytest.raises(
+        gen.KVCacheTooLarge, match=r"256 rows x 1024 tokens needs 24.0 GiB but 12.0"
+    ):
         gen.check_kv_fits(layer_kv, 256, 1024, cuda)
     gen.check_kv_fits(layer_kv, 64, 1024, cuda)  # 6 GiB: fits

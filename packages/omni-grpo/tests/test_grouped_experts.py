@@ -24,7 +24,9 @@ def _adapted(world: dict, path: str) -> torch.nn.Module:
     """The tiny thinker with LoRA on attention + experts, B drawn non-zero (same for every path)."""
     model = copy.deepcopy(world["base"]).float()
     torch.manual_seed(0)
-    apply_lora(model, LoraConfig(rank=4, alpha=8, targets=["attention", "experts"], expert_path=path))
+    apply_lora(
+        model, LoraConfig(rank=4, alpha=8, targets=["attention", "experts"], expert_path=path)
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

@@ -294,7 +294,9 @@ def _plan_vl(
     if missing:  # cannot happen for names the table maps to the VL layout; never drop silently
         raise TensorMismatchError(f"trained tensor {missing[0]!r} has no place in the VL layout")
     replaced = sum(1 for t in tensors if t.trained is not None)
-    return ExportPlan("vl", tensors, shards, output_shard_names(len(shards)), replaced, set(by_name))
+    return ExportPlan(
+        "vl", tensors, shards, output_shard_names(len(shards)), replaced, set(by_name)
+    )
 
 
 # ----------------------------------------------------------------------------- streaming

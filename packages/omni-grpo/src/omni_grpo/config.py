@@ -489,6 +489,12 @@ class TrainerConfig(_Strict):
         description="torch backend: recompute each decoder layer in the backward instead of "
         "keeping its activations (the 30B thinker on one GPU needs it)",
     )
+    compile: bool = Field(
+        False,
+        description="torch backend: torch.compile the text decoder layers' attention, MoE block "
+        "and norms (dynamic shapes) for the trainer's forwards and backward; generation keeps "
+        "its own CUDA-graph decode. The first step pays the compilation",
+    )
 
     @model_validator(mode="after")
     def _lora_backend(self) -> TrainerConfig:
@@ -500,6 +506,10 @@ class TrainerConfig(_Strict):
             raise ValueError(
                 "trainer.gradient_checkpointing is the torch backend's; megatron recomputes with "
                 "trainer.megatron.recompute"
+            )
+        if self.compile and self.backend == "megatron":
+            raise ValueError(
+                "trainer.compile is the torch backend's (megatron-core runs its own fused kernels)"
             )
         return self
 

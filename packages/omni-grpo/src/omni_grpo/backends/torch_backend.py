@@ -38,10 +38,11 @@ parameter no rank touched must keep ``grad=None`` (AdamW then leaves it alone, a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -307,6 +308,12 @@ class TorchBackend:
                     "gradient_checkpointing_enable()"
                 )
             enable()
+        # trainer.compile: the decoder layers' parts compiled, swapped in for the trainer's passes
+        self.compiled = None
+        if trainer.compile:
+            from omni_grpo.models.compiled_layers import CompiledLayers
+
+            self.compiled = CompiledLayers(model)
         self.steps_done = 0
 
     @property
@@ -320,6 +327,21 @@ class TorchBackend:
         return self.model
 
     # ------------------------------------------------------------------ forward helpers
+    @contextlib.contextmanager
+    def _trainer_passes(self) -> Iterator[None]:
+        """The context of a step's forwards, backward and recompute: the compiled layer parts
+        (``trainer.compile``), and, under bf16 autocast, peft's LoRA layers take their input as it
+        comes — peft would cast it to the fp32 adapters' dtype, and autocast straight back to bf16
+        for the matmul: two passes over every adapted layer's input for bit-identical results."""
+        with contextlib.ExitStack() as stack:
+            if self.compiled is not None:
+                stack.enter_context(self.compiled.active())
+            if self.lora and self.autocast_dtype is not None:
+                from peft.helpers import disable_input_dtype_casting
+
+                stack.enter_context(disable_input_dtype_casting(self.model))
+            yield
+
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
             return torch.autocast(self.device.type, enabled=False)
@@ -379,6 +401,10 @@ class TorchBackend:
     # ------------------------------------------------------------------ the update
     def step(self, batch: GRPOBatch) -> dict[str, float]:
         """One optimizer step over every completion of ``batch``; returns averaged metrics."""
+        with self._trainer_passes():
+            return self._grpo_step(batch)
+
+    def _grpo_step(self, batch: GRPOBatch) -> dict[str, float]:
         self.model.train()
         apply_lr(self.optimizer, batch.lr)
         mbs = make_micro_batches(
@@ -482,6 +508,12 @@ class TorchBackend:
 
         Data-parallel: each rank passes its share of the prompts; the token count is all-reduced
         so the update is the single-process one."""
+        with self._trainer_passes():
+            return self._supervised_step(prompts, targets, lr)
+
+    def _supervised_step(
+        self, prompts: list[PromptInputs], targets: list[list[int]], lr: float
+    ) -> float:
         self.model.train()
         apply_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)

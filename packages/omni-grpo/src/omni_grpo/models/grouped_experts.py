@@ -60,16 +60,18 @@ def _factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     """
     a_w = wrapper.lora_A[ADAPTER].weight
     b_w = wrapper.lora_B[ADAPTER].weight
-    key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
-    cached = getattr(wrapper, "_omni_grouped_cache", None)
-    if not torch.is_grad_enabled() and cached is not None and cached[0] == key:
+    cache = not torch.is_grad_enabled()
+    # (the key is read only when caching: under trainer.compile, data_ptr() would break the graph)
+    key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype) if cache else None
+    cached = getattr(wrapper, "_omni_grouped_cache", None) if cache else None
+    if cached is not None and cached[0] == key:
         return cached[1]
     experts = wrapper.num_experts
     a_t = a_w.reshape(experts, -1, a_w.shape[-1]).transpose(1, 2).to(dtype)  # (E, in, r)
     b_t = b_w.reshape(b_w.shape[0], -1, experts).permute(2, 1, 0).to(dtype)  # (E, r, out)
     # grouped GEMM operands must be row- or column-major per group: B^T's permute is neither
     factors = (a_t, b_t.contiguous(), float(wrapper.scaling[ADAPTER]))
-    if not torch.is_grad_enabled():
+    if cache:
         object.__setattr__(wrapper, "_omni_grouped_cache", (key, factors))
     return factors
 

@@ -540,9 +540,7 @@ def start_ray_run(
         run.groups.append(trainers)
         rollouts, rollout_setups = start_rollout_actors(cfg, plan, run_dir, eos_token_ids)
         run.groups.append(rollouts)
-        infos = trainers.get(
-            trainer_setups, range(len(trainers)), "start-up", deadline, placed_by
-        )
+        infos = trainers.get(trainer_setups, range(len(trainers)), "start-up", deadline, placed_by)
         run.backend = RayTrainerGroup(
             trainers, plan, cfg.rollout.sglang.bucket_mb << 20, infos[0]["layout"]
         )

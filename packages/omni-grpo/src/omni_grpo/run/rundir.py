@@ -205,7 +205,6 @@ OWNER_PID = re.compile(r"-p(\d+)-")
 UNOWNED_STALE_S = 15 * 60.0
 
 
-
 def _newest_mtime(path: Path) -> float:
     try:
         times = [path.lstat().st_mtime]
