@@ -11,7 +11,8 @@ L2), per row count and decode position:
 - ``sdpa_full``: ``models.decode_attention``'s packed-GQA SDPA over the whole buffer, with a mask;
 - ``sdpa_bucket``: the same over the buffer cut at the next multiple of ``--bucket`` past the
   current length (what per-bucket decode graphs would read);
-- ``kernel``: ``omni_grpo.models.decode_attention.decode_attention_kernel`` when it exists.
+- ``kernel``: ``omni_grpo.models.decode_kernel.decode_attention_kernel``, the split-KV Triton
+  kernel the decoder uses on CUDA (its largest difference to SDPA is reported too).
 
 Prints one JSON object: seconds per layer, achieved bytes/s of what must be read, and the ratio to
 the copy bandwidth measured in the same run.
@@ -27,6 +28,7 @@ import json
 from typing import Any
 
 import torch
+from omni_grpo.models.decode_kernel import decode_attention_kernel
 
 
 def _timed(fn: Any, repeats: int = 20) -> float:
@@ -57,6 +59,14 @@ def _sdpa(q: torch.Tensor, keys: list, values: list, mask: torch.Tensor, cut: in
         )
 
 
+def _kernel(
+    q: torch.Tensor, keys: list, values: list, start: torch.Tensor, slot: torch.Tensor
+) -> None:
+    """The split-KV kernel over every layer's buffer (reads keys ``[start, slot]`` only)."""
+    for k, v in zip(keys, values, strict=True):
+        decode_attention_kernel(q, k, v, start, slot, q.shape[-1] ** -0.5)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     bw = copy_bandwidth()
     heads, kv_heads, dim = 32, 4, 128
@@ -77,10 +87,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bucket = min(total, args.prompt + -(-new // args.bucket) * args.bucket)
             must = rows * kv_heads * (length - pad.float().mean().item()) * dim * 2 * 2
 
-            case = {"rows": rows, "length": length, "bucket": bucket}
+            case: dict[str, Any] = {"rows": rows, "length": length, "bucket": bucket}
             for name, cut in (("sdpa_full", total), ("sdpa_bucket", bucket)):
                 s = _timed(functools.partial(_sdpa, q, keys, values, mask, cut)) / args.layers
                 case[name] = {"s_per_layer": s, "ratio_to_copy_bw": must / s / bw}
+            start = pad.to(torch.int32)
+            slot = torch.tensor([length - 1], device="cuda")
+            s = _timed(functools.partial(_kernel, q, keys, values, start, slot)) / args.layers
+            case["kernel"] = {"s_per_layer": s, "ratio_to_copy_bw": must / s / bw}
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q, keys[0], values[0], attn_mask=mask[:, None, None], scale=dim**-0.5
+            )
+            got = decode_attention_kernel(q, keys[0], values[0], start, slot, dim**-0.5)
+            case["kernel_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
             out["cases"].append(case)
             print(json.dumps(case), flush=True)
     return out

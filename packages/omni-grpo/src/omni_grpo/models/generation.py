@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omni_grpo.models.decode_attention import decode_attention
+from omni_grpo.models.decode_attention import SLOT_KW, START_KW, decode_attention
 from omni_grpo.models.thinker import cache_arg_name
 
 if TYPE_CHECKING:
@@ -230,6 +230,8 @@ class StaticDecoder:
         self.mask[:, :prompt_len] = attention_mask.bool()
         deltas = thinker.rope_deltas.to(device).repeat_interleave(repeats, 0)
         self.pos0 = attention_mask.long().sum(-1, keepdim=True) + deltas  # [B, 1]
+        # left padding: row b's keys are [start[b], slot] (the decode kernel reads only those)
+        self.start = (prompt_len - attention_mask.long().sum(-1)).to(torch.int32)
         self.fed = torch.zeros(1, dtype=torch.long, device=device)
         self.slot = torch.full((1,), prompt_len, dtype=torch.long, device=device)
         self.count = torch.ones(1, dtype=torch.long, device=device)
@@ -251,7 +253,10 @@ class StaticDecoder:
         mask = self.mask[:, None, None, :]
         for layer in self.layers:
             out = layer(
-                hidden, attention_mask=mask, position_embeddings=rope, **{self.cache_kw: slots}
+                hidden,
+                attention_mask=mask,
+                position_embeddings=rope,
+                **{self.cache_kw: slots, START_KW: self.start, SLOT_KW: self.slot},
             )
             hidden = out[0] if isinstance(out, tuple) else out
         logits = self.lm_head(self.norm(hidden))[:, -1]

@@ -50,27 +50,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return out
 
 
-def _factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(A^T (E, in, r), B^T (E, r, out), scale)`` of one peft ``ParamWrapper`` in ``dtype``.
+@torch.compiler.disable
+def _factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A^T (E, in, r), scale * B^T (E, r, out))`` of one peft ``ParamWrapper`` in ``dtype``.
 
-    Without grad (generation) the casted, contiguous factors are cached on the wrapper until the
-    adapter weights change (their ``_version`` moves at every optimizer step): a decode step then
-    reads them as bf16 once instead of casting the fp32 adapters at every layer call; the cache
-    also keeps their addresses fixed for a CUDA-graph replay.
+    Without grad (generation) the casted factors are cached on the wrapper until the adapter
+    weights change (their ``_version`` moves at every optimizer step): a decode step then reads
+    them as bf16 once instead of casting the fp32 adapters at every layer call; the cache also
+    keeps their addresses fixed for a CUDA-graph replay.
+
+    Never compiled (``trainer.compile`` runs eagerly here): inductor may lay a computed operand
+    out as it likes, and torch 2.11's grouped GEMM then refused ``scale * B^T`` laid out expert-
+    minor; as a graph input it keeps the layout made here. The scale is folded into the rank-r
+    ``B^T`` (a small tensor) so the adapter term costs one add over the rows.
     """
     a_w = wrapper.lora_A[ADAPTER].weight
     b_w = wrapper.lora_B[ADAPTER].weight
     cache = not torch.is_grad_enabled()
-    # (the key is read only when caching: under trainer.compile, data_ptr() would break the graph)
-    key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype) if cache else None
+    key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
     cached = getattr(wrapper, "_omni_grouped_cache", None) if cache else None
     if cached is not None and cached[0] == key:
         return cached[1]
     experts = wrapper.num_experts
+    scale = float(wrapper.scaling[ADAPTER])
     a_t = a_w.reshape(experts, -1, a_w.shape[-1]).transpose(1, 2).to(dtype)  # (E, in, r)
     b_t = b_w.reshape(b_w.shape[0], -1, experts).permute(2, 1, 0).to(dtype)  # (E, r, out)
     # grouped GEMM operands must be row- or column-major per group: B^T's permute is neither
-    factors = (a_t, b_t.contiguous(), float(wrapper.scaling[ADAPTER]))
+    factors = (a_t, (b_t * scale).contiguous())
     if cache:
         object.__setattr__(wrapper, "_omni_grouped_cache", (key, factors))
     return factors
@@ -81,14 +87,13 @@ def _lora_linear(
     weight: torch.Tensor,
     transposed: bool,
     offs: torch.Tensor,
-    lora: tuple[torch.Tensor, torch.Tensor, float] | None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
-    """``x W_e (+ scale * (x A_e^T) B_e^T)`` for rows grouped by expert. The scale is folded into
-    the rank-r ``B^T`` (a small tensor) so the adapter term costs one add over the rows."""
+    """``x W_e (+ (x A_e^T) (scale B_e^T))`` for rows grouped by expert."""
     out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs)
     if lora is not None:
-        a_t, b_t, scale = lora
-        out = out + grouped_mm(grouped_mm(x, a_t, offs), b_t * scale, offs)
+        a_t, b_t = lora
+        out = out + grouped_mm(grouped_mm(x, a_t, offs), b_t, offs)
     return out
 
 
@@ -130,7 +135,7 @@ class _Unsort(torch.autograd.Function):
 
 def grouped_lora_experts_forward(
     experts: nn.Module,
-    lora: dict[str, tuple[torch.Tensor, torch.Tensor, float] | None],
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor] | None],
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
