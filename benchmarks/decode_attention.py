@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 from typing import Any
 
 import torch
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             got = decode_attention_kernel(q, keys[0], values[0], start, slot, dim**-0.5)
             case["kernel_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
             out["cases"].append(case)
-            print(json.dumps(case), flush=True)
+            print(json.dumps(case), file=sys.stderr, flush=True)
     return out
 
 

@@ -442,7 +442,7 @@ def run_trl_side(
         group=args.group,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
-        warmup=1,
+        warmup=args.trl_warmup,
         steps=args.trl_steps,
         lr=1e-5,
         seed=args.seed,
@@ -517,8 +517,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--trl-steps", type=int, default=0, help="then TRL+peft: 1 warm-up + this many steps"
+        "--trl-steps", type=int, default=0, help="then TRL+peft: --trl-warmup + this many steps"
     )
+    ap.add_argument("--trl-warmup", type=int, default=1, help="TRL steps run before the timed ones")
     ap.add_argument(
         "--profile", default=None, help="write a profiler table of one more update here"
     )
