@@ -69,3 +69,49 @@ def test_kv_cache_that_cannot_fit_is_refused_with_its_size(monkeypatch) -> None:
     ):
         gen.check_kv_fits(layer_kv, 256, 1024, cuda)
     gen.check_kv_fits(layer_kv, 64, 1024, cuda)  # 6 GiB: fits
+
+
+_KERNEL_CHECK = """
+import torch
+from omni_grpo.models.decode_kernel import decode_attention_kernel, num_splits
+gen = torch.Generator().manual_seed(0)
+worst, splits = 0.0, set()
+for rows, length, slot in [(3, 200, 150), (2, 70, 69), (5, 300, 40), (1, 64, 0)]:
+    q = torch.randn(rows, 2, 8, 32, generator=gen)
+    k = torch.randn(rows, 2, length, 32, generator=gen)
+    v = torch.randn(rows, 2, length, 32, generator=gen)
+    k[..., slot + 1 :, :] = float("nan")  # never read: past the slot
+    v[..., slot + 1 :, :] = float("nan")
+    start = torch.randint(0, slot + 1, (rows,), generator=gen).int()
+    k[0, :, : start[0]] = float("nan")  # left padding of row 0: never read either
+    v[0, :, : start[0]] = float("nan")
+    out = decode_attention_kernel(q, k, v, start, torch.tensor([slot]), 0.2)
+    pos = torch.arange(length)
+    keep = (pos[None] >= start[:, None].long()) & (pos[None] <= slot)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.nan_to_num(), v.nan_to_num(), attn_mask=keep[:, None, None], scale=0.2
+    )
+    worst = max(worst, float((out - ref).abs().max()))
+    splits.add(num_splits(rows, 2, q.device))
+print(worst, len(splits))
+"""
+
+
+def test_split_kv_kernel_equals_masked_sdpa_in_the_interpreter() -> None:
+    """The decode kernel (Triton's CPU interpreter): each row attends to exactly its keys
+    ``[start, slot]`` — NaNs outside would poison the result — with 1 to 16 splits."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    worst, kinds = res.stdout.split()
+    assert float(worst) < 1e-5
+    assert int(kinds) >= 2  # several split counts exercised

@@ -186,3 +186,37 @@ def test_exact_kl_with_lora_reference(world: dict) -> None:
     second = backend.step(GRPOBatch(world["groups"], adv))
     assert second["kl_loss"] > 0 and second["skipped_step"] == 0
     assert all(p.requires_grad == is_adapter_name(n) for n, p in backend.model.named_parameters())
+
+
+def test_compiled_layers_give_the_same_step(world: dict) -> None:
+    """trainer.compile: the decoder layers' parts compiled for the step (checkpointing and the
+    adapters-disabled KL reference included) give the eager step's loss, KL and adapters (fp32),
+    and hand the eager modules back to generation afterwards."""
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+    from omni_grpo.types import SamplingParams
+
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(world["groups"]))
+    algo = AlgoConfig(kl_coef=0.1, kl_type="k3")
+    kw = {"gradient_checkpointing": True, "micro_batch_size": 4, "micro_batch_tokens": 4096}
+    eager = _backend(world, ["attention", "experts"], algo, **kw)
+    compiled = _backend(world, ["attention", "experts"], algo, compile=True, **kw)
+    assert compiled.compiled is not None and len(compiled.compiled.parts) == 4 * len(
+        [m for m in compiled.model.modules() if type(m).__name__.endswith("TextDecoderLayer")]
+    )
+    for _ in range(2):  # the second step: KL against the moved policy, adapters non-zero
+        a = eager.step(GRPOBatch(world["groups"], adv))
+        b = compiled.step(GRPOBatch(world["groups"], adv))
+        assert b["skipped_step"] == 0 and b["grad_norm"] > 0
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["kl_loss"] == pytest.approx(a["kl_loss"], abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    sa, sb = eager.trainable_state(), compiled.trainable_state()
+    for n in sa:
+        torch.testing.assert_close(sb[n], sa[n], rtol=0, atol=1e-5)
+    assert all("forward" not in part.__dict__ for part, _ in compiled.compiled.parts)
+    torch.manual_seed(3)
+    engine = EmbeddedEngine(compiled.model, [world["eos"]])
+    (group,) = engine.generate(world["prompts"][:1], 2, SamplingParams(max_new_tokens=3))
+    assert len(group) == 2 and all(len(c.token_ids) == 3 for c in group)
+    with pytest.raises(ValueError, match="trainer.compile is the torch backend"):
+        TrainerConfig(backend="megatron", compile=True)
