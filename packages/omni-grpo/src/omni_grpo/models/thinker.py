@@ -33,6 +33,7 @@ from torch import nn
 
 from omni_grpo.models.positions import decode_positions
 from omni_grpo.models.sideband import OmniSideband
+from omni_grpo.models.vision_dedup import deduplicate_vision_items
 
 
 def cache_arg_name(forward: Any) -> str:
@@ -76,6 +77,9 @@ class OmniThinker(nn.Module):
         self.rope_deltas: torch.Tensor | None = None
         self._vl_cache_name = cache_arg_name(vl.forward)
         self._hook = injector.attach(vl.get_input_embeddings())
+        visual = getattr(vl.model, "visual", None)
+        if visual is not None:  # a training row repeats its prompt's pixels: encode them once
+            deduplicate_vision_items(visual)
 
     @property
     def vl(self) -> nn.Module:
