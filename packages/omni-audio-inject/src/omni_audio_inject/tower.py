@@ -13,6 +13,7 @@ numerics are the reference's by construction.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,25 +56,36 @@ def _materialise_buffers(module: nn.Module) -> None:
                 sub.register_buffer(bname, compute(), persistent=False)
 
 
-def same_items(features: torch.Tensor, lengths: torch.Tensor) -> list[int]:
-    """For each audio item, the index of the first item with the same valid frames.
+def first_equal(items: Sequence[torch.Tensor], keys: Sequence[object] | None = None) -> list[int]:
+    """For each item, the index of the first item equal to it (same key, same values).
 
-    Why: a GRPO group's samples all carry their prompt's audio, and the frozen tower's output
-    for an item depends on that item alone (its windows never mix items), so each distinct
-    audio is encoded once and its rows reused. Exact comparison (``torch.equal``), no hashing.
+    Exact comparison (``torch.equal``), no hashing: a frozen tower's output for an item depends on
+    that item alone, so equal items are encoded once (the audio tower here, the vision tower in
+    omni-grpo). ``keys`` (e.g. a grid) must match too.
     """
+    keys = [None] * len(items) if keys is None else list(keys)
     firsts: list[int] = []
     out: list[int] = []
-    for i in range(features.shape[0]):
-        n = int(lengths[i])
+    for i, item in enumerate(items):
         for j in firsts:
-            if int(lengths[j]) == n and torch.equal(features[i, :, :n], features[j, :, :n]):
+            if keys[j] == keys[i] and torch.equal(items[j], item):
                 out.append(j)
                 break
         else:
             firsts.append(i)
             out.append(i)
     return out
+
+
+def same_items(features: torch.Tensor, lengths: torch.Tensor) -> list[int]:
+    """For each audio item, the index of the first item with the same valid frames.
+
+    Why: a GRPO group's samples all carry their prompt's audio, and the frozen tower's output
+    for an item depends on that item alone (its windows never mix items), so each distinct
+    audio is encoded once and its rows reused.
+    """
+    valid = [features[i, :, : int(n)] for i, n in enumerate(lengths.tolist())]
+    return first_equal(valid)
 
 
 class FrozenAudioTower:

@@ -23,25 +23,13 @@ import types
 from typing import Any
 
 import torch
+from omni_audio_inject.tower import first_equal
 from torch import nn
 
 
 def first_copies(pixels: torch.Tensor, grid_thw: torch.Tensor) -> list[int]:
     """For each item, the index of the first item with the same grid and the same patches."""
-    sizes = grid_thw.prod(-1).tolist()
-    grids = grid_thw.tolist()
-    chunks = pixels.split(sizes)
-    firsts: list[int] = []
-    out: list[int] = []
-    for i, chunk in enumerate(chunks):
-        for j in firsts:
-            if grids[j] == grids[i] and torch.equal(chunks[j], chunk):
-                out.append(j)
-                break
-        else:
-            firsts.append(i)
-            out.append(i)
-    return out
+    return first_equal(pixels.split(grid_thw.prod(-1).tolist()), grid_thw.tolist())
 
 
 def _copy_index(sizes: list[int], first_of: list[int], device: torch.device) -> torch.Tensor:
