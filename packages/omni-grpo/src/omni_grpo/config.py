@@ -302,6 +302,12 @@ class RolloutConfig(_Strict):
         "are generated while this step trains, so a sample is at most one policy version old "
         "(omni_grpo.rollout.overlap; corrected by algo.tis)",
     )
+    exact_logprobs: bool = Field(
+        False,
+        description="embedded engine, torch backend, CUDA, bf16: the rollout's and the trainer's "
+        "logprob of every sampled token are bitwise equal (row-invariant kernels in both "
+        "forwards, omni_grpo.exact; docs/exact-logprobs.md)",
+    )
 
     @field_validator("engine")
     @classmethod
@@ -585,6 +591,13 @@ class OmniGRPOConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _exact_supported(self) -> OmniGRPOConfig:
+        refusals = exact_logprobs_refusals(self)
+        if refusals:
+            raise ValueError("; ".join(refusals))
+        return self
+
+    @model_validator(mode="after")
     def _derived_paths(self) -> OmniGRPOConfig:
         # Defaults that depend on run.dir / run.seed; assigned without re-validation loops.
         if self.model.make_tiny is not None and self.model.make_tiny.seed is None:
@@ -635,6 +648,44 @@ def contradictions(cfg: OmniGRPOConfig) -> list[str]:
         out.append(
             f"rollout.sglang.launch starts servers for rollout.engine sglang-omni, but the engine "
             f"is {cfg.rollout.engine!r}: they would never be used; remove it or change the engine"
+        )
+    return out
+
+
+def exact_logprobs_refusals(cfg: OmniGRPOConfig) -> list[str]:
+    """Where ``rollout.exact_logprobs`` cannot hold, one sentence each (empty when it is off).
+
+    The bitwise equality needs the rollout and the trainer to run the same module with the same
+    kernels: one process (the embedded engine sharing the torch backend's module). Ray rollout
+    actors receive weights by sync, and with LoRA those are the merged ``W + scale B A``, whose
+    products round differently from the trainer's unmerged path; trainer ranks on other
+    processes hold their own copies. The device and dtype are checked again when the model is
+    switched (``omni_grpo.exact.check_supported``), where ``auto`` has been resolved.
+    """
+    if not cfg.rollout.exact_logprobs:
+        return []
+    out = []
+    where = "rollout.exact_logprobs"
+    if cfg.rollout.engine != "embedded":
+        out.append(f"{where} needs rollout.engine embedded (got {cfg.rollout.engine!r})")
+    if cfg.trainer.backend != "torch":
+        out.append(f"{where} needs trainer.backend torch (got {cfg.trainer.backend!r})")
+    if cfg.rollout.embedded.actors:
+        out.append(
+            f"{where} needs the in-process embedded engine (rollout.embedded.actors 0, got "
+            f"{cfg.rollout.embedded.actors}): rollout actors receive synced weights (merged "
+            "W + BA with LoRA), which do not round like the trainer's forward"
+        )
+    if cfg.trainer.world_size > 1:
+        out.append(f"{where} needs trainer.world_size 1 (got {cfg.trainer.world_size})")
+    if cfg.trainer.device == "cpu":
+        out.append(f"{where} needs a CUDA device (trainer.device is cpu)")
+    if cfg.model.dtype == "float32":
+        out.append(f"{where} needs model.dtype bfloat16 (got float32)")
+    if cfg.trainer.lora is not None and cfg.trainer.lora.dropout > 0:
+        out.append(
+            f"{where} needs trainer.lora.dropout 0 (got {cfg.trainer.lora.dropout}): dropout in "
+            "the trainer's forward is absent from the rollout's"
         )
     return out
 

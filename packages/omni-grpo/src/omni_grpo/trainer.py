@@ -436,6 +436,10 @@ def _train(
         backend = create_backend(
             cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
         )
+        if cfg.rollout.exact_logprobs:  # before any engine samples from the policy
+            from omni_grpo.exact import enable_exact_logprobs
+
+            enable_exact_logprobs(backend.policy)
         context: dict[str, Any] = dict(
             eos_token_ids=eos_ids,
             banned_token_ids=media_token_ids(backend.policy),

@@ -33,7 +33,13 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return z
 
 
-def _logprob_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _logprob_chunk(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, exact: bool = False
+) -> torch.Tensor:
+    if exact:  # rollout.exact_logprobs: the sampler's kernel, one fixed reduction order per row
+        from omni_grpo.exact.rowwise import token_logprobs
+
+        return token_logprobs(_scaled(logits, temperature), targets)
     # log_softmax + gather rather than logit - logsumexp: measurably faster on CPU (benchmarks/core_logprobs.py)
     logp = torch.log_softmax(_scaled(logits, temperature), dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -60,18 +66,25 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, rows: int
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        rows: int,
+        exact: bool = False,
     ) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for start in range(0, logits.shape[0], rows):
             end = start + rows
-            out[start:end] = _logprob_chunk(logits[start:end], targets[start:end], temperature)
+            out[start:end] = _logprob_chunk(
+                logits[start:end], targets[start:end], temperature, exact
+            )
         ctx.save_for_backward(logits, targets)
         ctx.temperature, ctx.rows = temperature, rows
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         logits, targets = ctx.saved_tensors
         out = torch.empty_like(logits)
         scale = 1.0 / ctx.temperature
@@ -81,7 +94,7 @@ class _TokenLogprobs(torch.autograd.Function):
             d = torch.softmax(_scaled(logits[start:end], ctx.temperature), dim=-1).mul_(-g)
             d.scatter_add_(-1, targets[start:end, None], g)
             out[start:end] = d.mul_(scale) if scale != 1.0 else d
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 class _ForwardKL(torch.autograd.Function):
@@ -151,6 +164,7 @@ def token_logprobs_from_logits(
     *,
     chunk_rows: int | None = None,
     recompute: bool = True,
+    exact: bool = False,
 ) -> torch.Tensor:
     """``log softmax(logits / T)[target]`` in float32, shape of ``targets``.
 
@@ -161,6 +175,8 @@ def token_logprobs_from_logits(
     log-softmax (2x the bf16 logits) instead of recomputing the softmax in backward.
     Pass contiguous logits (e.g. via ``logits_to_keep`` positions, not a slice of a longer
     tensor): a strided view is copied by ``reshape`` and its gradient scattered back.
+    ``exact`` (``rollout.exact_logprobs``, CUDA): the forward is the sampler's Triton kernel
+    (``omni_grpo.exact.rowwise.token_logprobs``), so the values equal the rollout's bit for bit.
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
@@ -170,8 +186,8 @@ def token_logprobs_from_logits(
     v = logits.shape[-1]
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // v)
     flat_logits, flat_targets = logits.reshape(-1, v), targets.reshape(-1).long()
-    if recompute:
-        flat = _TokenLogprobs.apply(flat_logits, flat_targets, t, rows)
+    if recompute or exact:
+        flat = _TokenLogprobs.apply(flat_logits, flat_targets, t, rows, exact)
     else:
         flat = _chunked(lambda lg, tg: _logprob_chunk(lg, tg, t), [flat_logits, flat_targets], rows)
     return flat.view(targets.shape)

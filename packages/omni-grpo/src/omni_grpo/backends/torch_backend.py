@@ -322,6 +322,20 @@ class TorchBackend:
         return self.dp_size == 1 or dist.get_rank(self.dp_group) == 0
 
     @property
+    def exact(self) -> bool:
+        """``rollout.exact_logprobs`` is on for the policy (``omni_grpo.exact``)."""
+        return bool(getattr(self.model, "exact_logprobs", False))
+
+    @property
+    def exact_watch(self) -> Any:
+        from omni_grpo.exact.watch import ExactnessWatch
+
+        watch = self.__dict__.get("_exact_watch")
+        if watch is None:
+            watch = self.__dict__["_exact_watch"] = ExactnessWatch()
+        return watch
+
+    @property
     def policy(self) -> torch.nn.Module:
         """The live module: the embedded engine samples from it, so no weight sync is needed."""
         return self.model
@@ -371,7 +385,7 @@ class TorchBackend:
     ) -> torch.Tensor:
         logits = self._logits(model, mb)
         targets = mb.input_ids[:, mb.prompt_len :].to(self.device)
-        return token_logprobs_from_logits(logits, targets, temperature)
+        return token_logprobs_from_logits(logits, targets, temperature, exact=self.exact)
 
     def _reference_logits(self, mb: MicroBatch) -> torch.Tensor:
         """Logits under the KL reference (see ``__init__``), no grad."""
@@ -440,7 +454,11 @@ class TorchBackend:
                 ref_logits = self._reference_logits(mb) if full_kl and self.has_reference else None
                 logits = self._logits(self.model, mb)
                 targets = mb.input_ids[:, mb.prompt_len :].to(self.device)
-                logp = token_logprobs_from_logits(logits, targets, batch.temperature)
+                logp = token_logprobs_from_logits(
+                    logits, targets, batch.temperature, exact=self.exact
+                )
+                if self.exact and _epoch == 0:  # rollout.exact_logprobs: warn on a difference
+                    self.exact_watch.check(logp, mb, self.steps_done + 1)
                 entropy = None
                 if self.algo.entropy_coef != 0:
                     entropy = entropy_from_logits(logits, batch.temperature)

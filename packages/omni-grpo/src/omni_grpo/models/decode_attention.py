@@ -29,6 +29,7 @@ NAME = "omni_gqa_decode"
 # Keyword arguments the decoder passes through the layers to the attention function: each row's
 # first real key and the step's slot (device tensors), for the split-KV kernel on CUDA.
 START_KW, SLOT_KW = "omni_kv_start", "omni_kv_slot"
+EXACT = "omni_exact"  # omni_grpo.exact.attention.NAME (not imported: it needs Triton)
 _REGISTERED = False
 
 
@@ -84,7 +85,8 @@ def decode_attention(layers: nn.ModuleList) -> Iterator[None]:
     """The decoder ``layers`` attend through :func:`gqa_decode_attention` inside the block."""
     _register()
     configs = {id(c): c for c in (layer.self_attn.config for layer in layers)}.values()
-    before = [(c, c._attn_implementation) for c in configs]
+    # exact mode (omni_grpo.exact) attends through one kernel in decode and training: kept
+    before = [(c, c._attn_implementation) for c in configs if c._attn_implementation != EXACT]
     for config, _ in before:
         config._attn_implementation = NAME
     try:

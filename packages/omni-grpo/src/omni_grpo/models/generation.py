@@ -99,8 +99,12 @@ def sample_step(
     top_p: float = 1.0,
     suppress: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``[B, V]`` logits; return (tokens, logprobs) per the convention.
+
+    ``exact`` (``rollout.exact_logprobs``): the logprob comes from the kernel the trainer uses
+    (``omni_grpo.exact.rowwise.token_logprobs``), same value, bit for bit.
 
     The draw is ``torch.multinomial(probs, 1)``'s own algorithm (argmax of ``probs / Exp(1)``
     noise: the same tokens for the same RNG state) without its input checks, which read values
@@ -116,6 +120,10 @@ def sample_step(
         probs = torch.softmax(allowed, dim=-1)
         noise = torch.empty_like(probs).exponential_(1, generator=generator)
         tokens = (probs / noise).argmax(-1)
+    if exact:
+        from omni_grpo.exact.rowwise import token_logprobs
+
+        return tokens, token_logprobs(scaled, tokens)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -347,6 +355,7 @@ def generate(
         "top_p": top_p,
         "suppress": suppress,
         "generator": generator,
+        "exact": bool(getattr(thinker, "exact_logprobs", False)),  # omni_grpo.exact
     }
     if cuda_graph is None:
         enabled = os.environ.get("OMNI_GRPO_CUDA_GRAPH", "1") != "0"

@@ -1,0 +1,267 @@
+"""One attention kernel for the decode step and the full-sequence forward, bitwise alike per query.
+
+Why: the decode step attends one new query per sequence over a static KV buffer, the trainer's
+forward every query of the sequence at once; SDPA's kernels (and the decode path's GQA packing)
+split the keys differently in the two, so the same query's softmax sums in another order. Here
+every query's keys are visited in ``BLOCK_N`` blocks that start at the sequence's first real key
+(``start``, per batch row: left padding differs between a generation batch and a micro-batch),
+in order, with an online softmax whose per-row arithmetic does not depend on the other rows of
+the tile. A tile is always ``BLOCK_M`` rows of (query position, head of one KV group), so decode
+(one position x the group's heads) and training (several positions x the heads) run the same
+instructions. Blocks past a row's own last key are fully masked for it and leave its running
+max, sum and accumulator bit-identical (``exp(0) = 1``, ``p = 0``), so the extra blocks a
+training tile walks for its later rows change nothing. Keys past the tile's last query are
+loaded as 0. Backward recomputes through torch's SDPA (any kernel may serve the gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64
+BLOCK_N = 64
+NAME = "omni_exact"
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    start_ptr,
+    qoff_ptr,
+    scale,
+    Lq,
+    Lk,
+    KVH,
+    sqb,
+    sqh,
+    sql,
+    skb,
+    skh,
+    skl,
+    svb,
+    svh,
+    svl,
+    sob,
+    sol,
+    soh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    POS: tl.constexpr = BLOCK_M // G
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // KVH).to(tl.int64)
+    kvh = pid_bh % KVH
+    r = tl.arange(0, BLOCK_M)
+    pos = pid_m * POS + r // G
+    head = kvh * G + r % G
+    row_ok = pos < Lq
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + b * sqb + head[:, None] * sqh + pos[:, None] * sql + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    start = tl.load(start_ptr + b)
+    qoff = tl.load(qoff_ptr + b)
+    qabs = qoff + pos
+    hi = tl.minimum(qoff + tl.minimum(pid_m * POS + POS, Lq), Lk)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    k_base = k_ptr + b * skb + kvh * skh
+    v_base = v_ptr + b * svb + kvh * svh
+    for kb in range(start, hi, BLOCK_N):
+        kn = kb + tl.arange(0, BLOCK_N)
+        kin = kn < hi
+        k = tl.load(k_base + kn[:, None] * skl + d[None, :], mask=kin[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        allowed = (kn[None, :] <= qabs[:, None]) & kin[None, :] & row_ok[:, None]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + kn[:, None] * svl + d[None, :], mask=kin[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+    tl.store(
+        o_ptr + b * sob + pos[:, None] * sol + head[:, None] * soh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def row_bounds(
+    mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, qoff)`` per batch row: the first real key, and the key column of query 0.
+
+    From transformers' boolean mask ``[B, 1, q, kv]`` (True = attend): the last query row sees
+    every real key up to itself. A decode step (``q == 1``) over a static buffer sits at that
+    row's last attended key; a full-sequence forward has its queries at the last ``q`` columns.
+    ``None`` (no padding anywhere): start 0.
+    """
+    if mask is None:
+        start = torch.zeros(batch, dtype=torch.int32, device=device)
+        return start, torch.full_like(start, kv_len - q_len)
+    last = mask[:, 0, -1, :kv_len]
+    if last.dtype != torch.bool:
+        last = last == 0  # an additive float mask: 0 = attend
+    last = last.expand(batch, kv_len).to(torch.int8)
+    start = last.argmax(-1).to(torch.int32)
+    if q_len == 1:
+        qoff = (kv_len - 1 - last.flip(-1).argmax(-1)).to(torch.int32)
+    else:
+        qoff = torch.full_like(start, kv_len - q_len)
+    return start, qoff
+
+
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    qoff: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``q [B, H, Lq, D]``, ``k``/``v [B, KVH, Lk, D]`` -> ``[B, Lq, H, D]`` (the kernel's forward)."""
+    batch, heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    if heads % kv_heads or BLOCK_M % group:
+        raise ValueError(
+            f"exact attention: {heads} heads over {kv_heads} KV heads is not supported"
+        )
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"exact attention: head_dim {dim} is not a power of two >= 16")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("exact attention: the head dim must be contiguous")
+    out = torch.empty(batch, q_len, heads, dim, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(q_len, BLOCK_M // group), batch * kv_heads)
+    _attn_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        start,
+        qoff,
+        scale,
+        q_len,
+        kv_len,
+        kv_heads,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        G=group,
+        D=dim,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+def allowed_mask(start: torch.Tensor, qoff: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """The boolean ``[B, 1, q, kv]`` mask the kernel applies (plus each query's own column, so a
+    padding query is never fully masked in the backward's SDPA)."""
+    keys = torch.arange(kv_len, device=start.device)
+    qabs = qoff[:, None].long() + torch.arange(q_len, device=start.device)[None]
+    ok = (keys[None, None] >= start[:, None, None]) & (keys[None, None] <= qabs[..., None])
+    ok |= keys[None, None] == qabs[..., None]
+    return ok[:, None]
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: torch.Tensor,
+        qoff: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, start, qoff)
+        ctx.scale = scale
+        return exact_attention(q, k, v, start, qoff, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, start, qoff = ctx.saved_tensors
+        group = q.shape[1] // k.shape[1]
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+            mask = allowed_mask(start, qoff, q.shape[2], k.shape[2])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qd,
+                kd.repeat_interleave(group, 1),
+                vd.repeat_interleave(group, 1),
+                attn_mask=mask,
+                scale=ctx.scale,
+            )
+            gq, gk, gv = torch.autograd.grad(out.transpose(1, 2), (qd, kd, vd), grad)
+        return gq, gk, gv, None, None, None
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (``[B, H, q, d]`` -> ``[B, q, H, d]``)."""
+    if dropout:
+        raise ValueError("exact attention has no dropout (rollout.exact_logprobs)")
+    batch, _, q_len, dim = query.shape
+    start, qoff = row_bounds(attention_mask, batch, q_len, key.shape[2], query.device)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+    return _Attention.apply(query, key, value, start, qoff, scale), None
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Make ``NAME`` an attention implementation (and its mask the SDPA boolean one)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    except ImportError:  # older transformers build the SDPA mask for any unknown name
+        pass
+    _REGISTERED = True

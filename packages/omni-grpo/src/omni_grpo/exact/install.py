@@ -1,0 +1,111 @@
+"""Switch a thinker to exact mode: the forwards that the rollout and the trainer share.
+
+``enable_exact_logprobs(thinker)`` rebinds, on this module tree only, the ``forward`` of every
+linear layer (peft's LoRA ``base_layer``/``lora_A``/``lora_B`` included) and RMSNorm of the text
+model and the LM head to the row-invariant kernels, every MoE block to ``exact.moe``, the text
+attention to ``exact.attention`` (through transformers' attention registry, also during decode
+steps: ``models.decode_attention`` leaves it alone), and the media towers to one item per call.
+Since the embedded engine samples from this very module, the prefill, every decode step and the
+trainer's forwards then compute each token's logits with the same arithmetic; the sampler and
+the trainer take the log-softmax with the same kernel (``exact.rowwise.token_logprobs``).
+The rebinding is by ``MethodType`` on the instances (a deep copy rebinds to the copy).
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+from torch import nn
+
+FLAG = "exact_logprobs"
+# The dtype of every exact linear layer's operands (autocast's rule on the GPU). The CPU tests,
+# which run the kernels in Triton's interpreter on a float32 model, set float32.
+COMPUTE_DTYPE = torch.bfloat16
+
+
+class ExactLogprobsUnsupported(ValueError):
+    """``rollout.exact_logprobs`` cannot hold for this model or device."""
+
+
+def is_exact(model: nn.Module) -> bool:
+    """Whether :func:`enable_exact_logprobs` switched ``model`` to exact mode."""
+    return bool(getattr(model, FLAG, False))
+
+
+def check_supported(model: nn.Module) -> None:
+    """One-line refusals: exact mode needs CUDA, bf16 weights and Triton."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cuda":
+        raise ExactLogprobsUnsupported(
+            f"rollout.exact_logprobs needs the model on a CUDA device (it is on {weight.device}): "
+            "its kernels are Triton GPU kernels; turn the option off on CPU"
+        )
+    if weight.dtype != torch.bfloat16:
+        raise ExactLogprobsUnsupported(
+            f"rollout.exact_logprobs needs model.dtype bfloat16 (the model is {weight.dtype})"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        raise ExactLogprobsUnsupported(
+            "rollout.exact_logprobs needs Triton (pip install triton)"
+        ) from err
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from omni_grpo.exact.matmul import linear
+
+    return linear(x, self.weight, self.bias, COMPUTE_DTYPE)
+
+
+def _rmsnorm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from omni_grpo.exact.rowwise import rmsnorm
+
+    return rmsnorm(x, self.weight, self.variance_epsilon)
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    return hasattr(module, "gate") and hasattr(module, "experts")
+
+
+def enable_exact_logprobs(model: nn.Module) -> dict[str, int]:
+    """Switch ``model`` (an ``OmniThinker``) to exact mode; returns how many modules of each kind
+    were rebound. Idempotent."""
+    from omni_grpo.exact import attention
+    from omni_grpo.exact.moe import moe_block_forward
+    from omni_grpo.exact.towers import encode_towers_per_item
+
+    check_supported(model)
+    if is_exact(model):
+        return {}
+    counts = {"linear": 0, "rmsnorm": 0, "moe": 0}
+    text = model.model.language_model
+    moe_blocks = [m for m in text.modules() if _is_moe_block(m)]
+    inside_moe = {id(m) for block in moe_blocks for m in block.modules()}
+    for root in (text, model.lm_head):
+        for module in root.modules():
+            if id(module) in inside_moe:
+                continue
+            if isinstance(module, nn.Linear):
+                module.forward = MethodType(_linear_forward, module)
+                counts["linear"] += 1
+            elif _is_rmsnorm(module):
+                module.forward = MethodType(_rmsnorm_forward, module)
+                counts["rmsnorm"] += 1
+    for block in moe_blocks:
+        block.forward = MethodType(moe_block_forward, block)
+        counts["moe"] += 1
+    attention.register()
+    for module in text.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = attention.NAME
+    text.config._attn_implementation = attention.NAME
+    encode_towers_per_item(model)
+    setattr(model, FLAG, True)
+    return counts

@@ -1,0 +1,113 @@
+"""The MoE block in exact mode: router, top-k, experts and their weighted sum, row-invariant.
+
+Every step is chosen so that a token's output depends on that token alone, in the same order in
+a decode step and in a training micro-batch: the router logits through the invariant matmul, an
+fp32 softmax whose sum is a fixed tree, the top-k by a *stable* sort (ties between bf16-equal
+router logits pick the lower expert in both paths; ``torch.topk``'s tie order is the kernel's),
+the experts through the invariant grouped GEMM (LoRA adapters as ``x W + scale (x A^T) B^T``,
+the grouped path's math, never ``W + B A``), and the top-k outputs summed in slot order by
+elementwise fp32 multiply-adds (the trainer's ``bmm`` picks its kernel from the token count).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_grpo.exact.grouped import grouped_linear
+from omni_grpo.exact.matmul import linear
+from omni_grpo.exact.rowwise import softmax, tree_sum
+from omni_grpo.models.grouped_experts import ADAPTER, _ExpandSorted, _factors, _Unsort
+
+LoraFactors = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _dtype() -> torch.dtype:
+    from omni_grpo.exact import install
+
+    return install.COMPUTE_DTYPE
+
+
+def experts_and_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, LoraFactors]]:
+    """The fused experts module under any peft wrappers, and the active adapters' factors by
+    parameter name (none when adapters are disabled: the KL reference's forward)."""
+    lora: dict[str, LoraFactors] = {}
+    layer = experts
+    while hasattr(layer, "base_layer") and hasattr(layer, "parameter_name"):
+        active = (
+            not layer.disable_adapters
+            and not layer.merged
+            and ADAPTER in layer.lora_A
+            and ADAPTER in list(layer.active_adapters)
+        )
+        if active:
+            lora[layer.parameter_name] = _factors(layer, _dtype())
+        layer = layer.base_layer
+    return layer, lora
+
+
+def _project(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs: torch.Tensor, lora: Any
+) -> torch.Tensor:
+    w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
+    out = grouped_linear(x, w, offs)
+    if lora is not None:
+        a_t, b_t, scale = lora
+        out = out + grouped_linear(grouped_linear(x, a_t, offs), b_t * scale, offs)
+    return out
+
+
+def experts_forward(
+    experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts contract (``[T, H]`` tokens, ``[T, k]`` ids and weights) -> ``[T, H]``."""
+    base, lora = experts_and_adapters(experts)
+    num_tokens, width = hidden.shape
+    top_k = top_k_index.shape[-1]
+    num_experts = base.gate_up_proj.shape[0]
+    with torch.no_grad():
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()  # CPU: float only
+        counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    x = _ExpandSorted.apply(hidden.to(_dtype()), perm // top_k, inv, top_k)
+    transposed = bool(getattr(base, "is_transposed", False))
+    gate_up = _project(x, base.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))
+    apply_gate = getattr(base, "_apply_gate", None)
+    if apply_gate is not None:
+        h = apply_gate(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = base.act_fn(gate) * up
+    out = _project(h.to(_dtype()), base.down_proj, transposed, offs, lora.get("down_proj"))
+    pairs = _Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)
+    w = weights.float()
+    acc = pairs[:, 0].float() * w[:, 0:1]
+    for slot in range(1, top_k):
+        acc = acc + pairs[:, slot].float() * w[:, slot : slot + 1]
+    return acc.to(hidden.dtype)
+
+
+def route(gate: nn.Module, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(top_k_index, weights)``: transformers' Qwen3 router (softmax, top-k, renormalised, cast
+    to the logits' dtype) with the order-fixed pieces above."""
+    logits = linear(hidden, gate.weight, None, _dtype())
+    probs = softmax(logits)
+    values, index = torch.sort(probs, dim=-1, descending=True, stable=True)
+    values, index = values[:, :top_k], index[:, :top_k]
+    if getattr(gate, "norm_topk_prob", True):
+        values = values / tree_sum(values)
+    return index, values.to(logits.dtype)
+
+
+def moe_block_forward(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Replacement ``forward`` of a Qwen3-VL-MoE sparse block (bound with ``MethodType``)."""
+    batch, length, width = hidden_states.shape
+    flat = hidden_states.reshape(-1, width)
+    top_k = getattr(block.gate, "top_k", None) or block.top_k
+    index, weights = route(block.gate, flat, top_k)
+    return experts_forward(block.experts, flat, index, weights).view(batch, length, width)
