@@ -96,7 +96,8 @@ def _attn_kernel(
         v = tl.load(v_base + kn[:, None] * svl + d[None, :], mask=kin[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+    has_keys = l_i > 0  # a padding query attends nothing: 0, and no 0/0 computed
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     tl.store(
         o_ptr + b * sob + pos[:, None] * sol + head[:, None] * soh + d[None, :],
         out.to(o_ptr.dtype.element_ty),

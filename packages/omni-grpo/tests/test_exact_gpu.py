@@ -1,0 +1,113 @@
+"""rollout.exact_logprobs on the GPU: bitwise row invariance of each kernel, and a GRPO step of
+the tiny thinker (image, audio and video prompts; LoRA and full fine-tuning) whose rollout
+logprobs equal the trainer's for every completion token."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda").to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("k", "n"), [(2048, 4096), (4096, 2048), (2048, 128), (2048, 16)])
+def test_matmul_rows_do_not_depend_on_the_batch(k: int, n: int) -> None:
+    from omni_grpo.exact.matmul import mm
+
+    a, b = _bf16(1000, k), _bf16(k, n) / k**0.5
+    full = mm(a, b)
+    for lo, hi in ((0, 1), (3, 67), (500, 1000)):
+        assert torch.equal(mm(a[lo:hi], b), full[lo:hi])
+
+
+def test_grouped_gemm_rows_do_not_depend_on_the_other_rows() -> None:
+    from omni_grpo.exact.grouped import gmm
+
+    x, w = _bf16(4096, 2048), _bf16(16, 1536, 2048).transpose(1, 2) / 45
+    offs = torch.tensor([256 * (i + 1) for i in range(16)], device="cuda", dtype=torch.int32)
+    full = gmm(x, w, offs)
+    few = torch.cat([x[256 * i : 256 * i + 3] for i in range(16)])
+    offs_few = torch.tensor([3 * (i + 1) for i in range(16)], device="cuda", dtype=torch.int32)
+    want = torch.cat([full[256 * i : 256 * i + 3] for i in range(16)])
+    assert torch.equal(gmm(few, w, offs_few), want)
+
+
+def test_attention_decode_step_equals_the_full_sequence_forward() -> None:
+    from omni_grpo.exact.attention import attention_forward
+
+    b, length, extra = 4, 700, 50
+    starts = torch.tensor([0, 13, 64, 301], device="cuda")
+    q = _bf16(b, 32, length, 128)
+    k, v = _bf16(b, 4, length + extra, 128), _bf16(b, 4, length + extra, 128)
+    keys = torch.arange(length, device="cuda")
+    mask = (keys[None, None] >= starts[:, None, None]) & (keys[None, None] <= keys[None, :, None])
+    full, _ = attention_forward(None, q, k[:, :, :length], v[:, :, :length], mask[:, None])  # type: ignore[arg-type]
+    for t in (301, 363, 364, 365, 699):
+        dmask = torch.zeros(b, 1, 1, length + extra, dtype=torch.bool, device="cuda")
+        dmask[:, 0, 0, : t + 1] = keys[: t + 1][None] >= starts[:, None]
+        step, _ = attention_forward(None, q[:, :, t : t + 1], k, v, dmask)  # type: ignore[arg-type]
+        assert torch.equal(step[:, 0], full[:, t])
+
+
+def test_rowwise_kernels_do_not_depend_on_the_batch() -> None:
+    from omni_grpo.exact.rowwise import rmsnorm, token_logprobs
+
+    x, w = _bf16(3000, 2048), torch.rand(2048, device="cuda").to(torch.bfloat16)
+    assert torch.equal(rmsnorm(x[5:9], w, 1e-6), rmsnorm(x, w, 1e-6)[5:9])
+    z = torch.randn(300, 152064, device="cuda") * 3
+    t = torch.randint(0, 152064, (300,), device="cuda")
+    assert torch.equal(token_logprobs(z[7:8], t[7:8]), token_logprobs(z, t)[7:8])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from omni_grpo.testing.rollouts import rollout_world
+
+    return rollout_world(tmp_path_factory.mktemp("exact_gpu"), n_prompts=3, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_every_completion_token_is_exact_over_grpo_steps(world: dict[str, Any], lora: bool) -> None:
+    from omni_grpo.backends.torch_backend import TorchBackend
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.exact import enable_exact_logprobs
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+    from omni_grpo.trainer import media_token_ids
+    from omni_grpo.types import GRPOBatch, SamplingParams
+
+    model = copy.deepcopy(world["base"]).to("cuda", torch.bfloat16)
+    cfg = TrainerConfig(
+        device="cuda",
+        lr=1e-3,
+        micro_batch_size=8,
+        micro_batch_tokens=4096,
+        gradient_checkpointing=True,
+        lora=LoraConfig(rank=4, targets=["attention", "experts"]) if lora else None,
+    )
+    backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
+    enable_exact_logprobs(model)
+    engine = EmbeddedEngine(
+        model,
+        [world["eos"]],
+        device="cuda",
+        autocast_dtype=torch.bfloat16,
+        banned_token_ids=media_token_ids(model),
+    )
+    torch.manual_seed(0)
+    for _ in range(3):
+        groups = engine.generate(world["prompts"], 4, SamplingParams(max_new_tokens=24))
+        adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]] * len(groups))
+        metrics = backend.step(GRPOBatch(groups, adv))
+        assert metrics["train_rollout_logprob_exact_fraction"] == 1.0, backend.exact_watch.totals
+        assert metrics["train_rollout_logprob_abs_diff"] == 0.0
+    assert {m for m, (bad, _) in backend.exact_watch.totals.items() if bad} == set()
