@@ -295,3 +295,33 @@ def test_exact_thinker_trains_and_leaves_other_models_alone(
     assert set(backend.exact_watch.totals) == {p.sample.modality for p in world["prompts"]}
     after = sample(plain)  # the registry and decode path of an unswitched model are untouched
     assert torch.equal(before.tokens, after.tokens) and torch.equal(before.logprobs, after.logprobs)
+
+
+def test_lora_factor_cache_follows_fused_adamw_steps(world: dict[str, Any]) -> None:
+    """torch's fused AdamW updates in place without bumping ``_version``: the grouped experts'
+    no-grad factor cache must be dropped after every optimizer step, or the next rollout samples
+    with the previous adapters (seen on the H200: exact on LoRA broke from the second step)."""
+    from omni_grpo.backends.torch_backend import TorchBackend
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.models.grouped_experts import _factors
+
+    model = copy.deepcopy(world["base"])
+    cfg = TrainerConfig(device="cpu", lr=1e-2, lora=LoraConfig(rank=4, targets=["experts"]))
+    backend = TorchBackend(model, cfg, AlgoConfig(), pad_token_id=world["eos"])
+    wrapper = next(m for m in model.modules() if hasattr(m, "parameter_name"))
+    b_w = wrapper.lora_B["default"].weight
+    fused = torch.optim.AdamW([b_w], lr=0.5, fused=True)
+    with torch.no_grad():
+        before = _factors(wrapper, torch.float32)[1].clone()
+    b_w.grad = torch.ones_like(b_w)
+    version = b_w._version
+    fused.step()
+    assert b_w._version == version  # the torch behaviour the cache cannot see
+    with torch.no_grad():
+        assert torch.equal(_factors(wrapper, torch.float32)[1], before)  # stale, as feared
+    b_w.grad = torch.zeros_like(b_w)
+    backend.optimizer.step()  # the backend's post-step hook drops every cache
+    with torch.no_grad():
+        fresh = _factors(wrapper, torch.float32)[1]
+    assert not torch.equal(fresh, before)
+    torch.testing.assert_close(fresh, _factors(wrapper, torch.float32)[1])

@@ -286,6 +286,10 @@ class TorchBackend:
             weight_decay=trainer.weight_decay,
             fused=self.device.type == "cuda" or None,
         )
+        if self.lora:  # fused AdamW leaves _version alone: the grouped experts' factor cache
+            from omni_grpo.models.grouped_experts import invalidate_factor_caches
+
+            self.optimizer.register_step_post_hook(lambda *_: invalidate_factor_caches(self.model))
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
         # The KL reference. Full fine-tuning: a frozen copy of the model. LoRA: no copy — the base
         # weights are frozen, so the reference is the live module with its adapters disabled

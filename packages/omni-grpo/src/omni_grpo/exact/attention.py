@@ -28,7 +28,7 @@ BLOCK_N = 64
 NAME = "omni_exact"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Lq", "Lk"])  # one compiled kernel for every size
 def _attn_kernel(
     q_ptr,
     k_ptr,

@@ -29,7 +29,7 @@ def tiles(k: int, n: int) -> tuple[int, int]:
     return block_n, block_k
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every size
 def _mm_kernel(
     a_ptr,
     b_ptr,

@@ -82,6 +82,19 @@ def _factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     return factors
 
 
+def invalidate_factor_caches(model: nn.Module) -> None:
+    """Drop every wrapper's cached bf16 factors (see ``_factors``).
+
+    Why: the cache is keyed on the adapters' ``_version``, but torch's fused AdamW (the CUDA
+    optimizer, ``fused=True``) updates parameters in place without bumping it (torch 2.11-2.15),
+    so after a step the next rollout would sample with the previous adapters. The torch backend
+    calls this after every optimizer step.
+    """
+    for module in model.modules():
+        if "_omni_grouped_cache" in module.__dict__:
+            del module.__dict__["_omni_grouped_cache"]
+
+
 def _lora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
