@@ -38,6 +38,7 @@ PAGES = (
     "docs/server-contract.md",
     "docs/benchmarks.md",
     "docs/run-faults.md",
+    "docs/exact-logprobs.md",
 )
 
 SHELL_LANGS = frozenset({"bash", "sh", "shell"})
