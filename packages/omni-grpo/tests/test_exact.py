@@ -102,6 +102,11 @@ def test_watch_warns_once_per_modality_naming_step_and_modality(
     (record,) = caplog.records
     assert "at step 3, 1 of 2 video completion tokens" in record.getMessage()
     assert watch.totals == {"audio": (0, 6), "image": (0, 2), "video": (2, 4)}
+    stale = ExactnessWatch()  # rollout.max_staleness 1: samples differ by design, no warning
+    stale.enabled = False
+    with caplog.at_level(logging.WARNING, logger="omni_grpo.exact"):
+        stale.check(train, mb, step=2)
+    assert len(caplog.records) == 1 and stale.totals["video"] == (1, 2)
 
 
 # ---------------------------------------------------------------------- kernels (interpreter)

@@ -682,6 +682,11 @@ def exact_logprobs_refusals(cfg: OmniGRPOConfig) -> list[str]:
         out.append(f"{where} needs a CUDA device (trainer.device is cpu)")
     if cfg.model.dtype == "float32":
         out.append(f"{where} needs model.dtype bfloat16 (got float32)")
+    if getattr(cfg.trainer, "compile", False):
+        out.append(
+            f"{where} needs trainer.compile off: a compiled training forward fuses (and rounds) "
+            "differently from the eager decode step"
+        )
     if cfg.trainer.lora is not None and cfg.trainer.lora.dropout > 0:
         out.append(
             f"{where} needs trainer.lora.dropout 0 (got {cfg.trainer.lora.dropout}): dropout in "

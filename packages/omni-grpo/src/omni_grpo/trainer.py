@@ -440,6 +440,12 @@ def _train(
             from omni_grpo.exact import enable_exact_logprobs
 
             enable_exact_logprobs(backend.policy)
+            if cfg.rollout.max_staleness:
+                backend.exact_watch.enabled = False  # type: ignore[attr-defined]
+                log.info(
+                    "rollout.exact_logprobs with rollout.max_staleness 1: samples are one policy "
+                    "version old, so train_rollout_logprob_exact_fraction measures the staleness"
+                )
         context: dict[str, Any] = dict(
             eos_token_ids=eos_ids,
             banned_token_ids=media_token_ids(backend.policy),

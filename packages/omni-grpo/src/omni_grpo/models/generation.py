@@ -112,7 +112,6 @@ def sample_step(
     """
     logits = logits.float()
     scaled = logits / temperature if temperature > 0 else logits
-    logprobs = torch.log_softmax(scaled, dim=-1)
     allowed = _restrict(scaled, top_k, top_p, suppress)
     if temperature <= 0:
         tokens = allowed.argmax(-1)
@@ -124,7 +123,7 @@ def sample_step(
         from omni_grpo.exact.rowwise import token_logprobs
 
         return tokens, token_logprobs(scaled, tokens)
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 
 # ------------------------------------------------------------------------------------- decoding
