@@ -286,6 +286,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     algo = AlgoConfig(kl_coef=0.01, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
     backend = TorchBackend(thinker, trainer_cfg, algo, pad_token_id=pad, device=device)
+    if args.exact_logprobs:  # rollout.exact_logprobs: the same switch the trainer makes
+        from omni_grpo.exact import enable_exact_logprobs
+
+        enable_exact_logprobs(thinker)
     engine = EmbeddedEngine(
         thinker,
         [],
@@ -341,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "update_mfu": round(update_flops / upd_s / limits["matmul_flops_per_s"], 4),
                 "logprob_pearson": metrics.get("train_rollout_logprob_pearson"),
                 "logprob_abs_diff": metrics.get("train_rollout_logprob_abs_diff"),
+                "logprob_exact_fraction": metrics.get("train_rollout_logprob_exact_fraction"),
                 "skipped_step": metrics.get("skipped_step"),
             }
         )
@@ -371,6 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "micro_batch_tokens": args.micro_batch_tokens,
             "gradient_checkpointing": True,
             "compile": args.compile,
+            "exact_logprobs": args.exact_logprobs,
         },
         "limits": limits,
         "roofline": {
@@ -515,6 +521,9 @@ def main() -> None:
         "--compile", action="store_true", help="trainer.compile: the decoder layers' parts compiled"
     )
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument(
+        "--exact-logprobs", action="store_true", help="rollout.exact_logprobs (omni_grpo.exact)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--trl-steps", type=int, default=0, help="then TRL+peft: --trl-warmup + this many steps"
