@@ -21,7 +21,7 @@ from omni_grpo.exact.matmul import linear
 from omni_grpo.exact.rowwise import softmax, tree_sum
 from omni_grpo.models.grouped_experts import ADAPTER, _ExpandSorted, _factors, _Unsort
 
-LoraFactors = tuple[torch.Tensor, torch.Tensor, float]
+LoraFactors = tuple[torch.Tensor, torch.Tensor]  # (A^T, scale * B^T)
 
 
 def _dtype() -> torch.dtype:
@@ -54,8 +54,8 @@ def _project(
     w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
     out = grouped_linear(x, w, offs)
     if lora is not None:
-        a_t, b_t, scale = lora
-        out = out + grouped_linear(grouped_linear(x, a_t, offs), b_t * scale, offs)
+        a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts._factors)
+        out = out + grouped_linear(grouped_linear(x, a_t, offs), b_t, offs)
     return out
 
 
