@@ -1,4 +1,4 @@
-"""The frozen media towers in exact mode: each image, video and distinct audio encoded alone.
+"""The frozen media towers in exact mode: each distinct image, video and audio encoded alone.
 
 Why: the rollout prefills a batch of prompts (every image of the batch in one tower call) while
 the trainer's micro-batch holds other rows; a tower's matmuls and convolutions choose kernels by
@@ -37,9 +37,12 @@ def _visual_per_item(
     forward = type(self).forward
     if grid_thw.shape[0] <= 1:
         return forward(self, hidden_states, grid_thw, **kw)
-    sizes = grid_thw.prod(-1).tolist()
-    parts = hidden_states.split(sizes)
-    return _concat([forward(self, p, g[None], **kw) for p, g in zip(parts, grid_thw, strict=True)])
+    from omni_grpo.models.vision_dedup import first_copies
+
+    parts = hidden_states.split(grid_thw.prod(-1).tolist())
+    firsts = first_copies(hidden_states, grid_thw)  # a group's rows repeat their prompt's pixels
+    pieces = {i: forward(self, parts[i], grid_thw[i : i + 1], **kw) for i in sorted(set(firsts))}
+    return _concat([pieces[i] for i in firsts])
 
 
 def _encode_per_item(
