@@ -19,9 +19,6 @@ import torch
 from torch import nn
 
 FLAG = "exact_logprobs"
-# The dtype of every exact linear layer's operands (autocast's rule on the GPU). The CPU tests,
-# which run the kernels in Triton's interpreter on a float32 model, set float32.
-COMPUTE_DTYPE = torch.bfloat16
 
 
 class ExactLogprobsUnsupported(ValueError):
@@ -54,9 +51,10 @@ def check_supported(model: nn.Module) -> None:
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from omni_grpo.exact import precision
     from omni_grpo.exact.matmul import linear
 
-    return linear(x, self.weight, self.bias, COMPUTE_DTYPE)
+    return linear(x, self.weight, self.bias, precision.COMPUTE_DTYPE)
 
 
 def _rmsnorm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -16,18 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from omni_grpo.exact import precision
 from omni_grpo.exact.grouped import grouped_linear
 from omni_grpo.exact.matmul import linear
 from omni_grpo.exact.rowwise import softmax, tree_sum
-from omni_grpo.models.grouped_experts import ADAPTER, _ExpandSorted, _factors, _Unsort
+from omni_grpo.models.grouped_experts import ADAPTER, ExpandSorted, Unsort, lora_factors
 
 LoraFactors = tuple[torch.Tensor, torch.Tensor]  # (A^T, scale * B^T)
 
 
 def _dtype() -> torch.dtype:
-    from omni_grpo.exact import install
-
-    return install.COMPUTE_DTYPE
+    return precision.COMPUTE_DTYPE
 
 
 def experts_and_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, LoraFactors]]:
@@ -43,7 +42,7 @@ def experts_and_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, LoraF
             and ADAPTER in list(layer.active_adapters)
         )
         if active:
-            lora[layer.parameter_name] = _factors(layer, _dtype())
+            lora[layer.parameter_name] = lora_factors(layer, _dtype())
         layer = layer.base_layer
     return layer, lora
 
@@ -54,7 +53,7 @@ def _project(
     w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
     out = grouped_linear(x, w, offs)
     if lora is not None:
-        a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts._factors)
+        a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts.lora_factors)
         out = out + grouped_linear(grouped_linear(x, a_t, offs), b_t, offs)
     return out
 
@@ -74,7 +73,7 @@ def experts_forward(
         ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()  # CPU: float only
         counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    x = _ExpandSorted.apply(hidden.to(_dtype()), perm // top_k, inv, top_k)
+    x = ExpandSorted.apply(hidden.to(_dtype()), perm // top_k, inv, top_k)
     transposed = bool(getattr(base, "is_transposed", False))
     gate_up = _project(x, base.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))
     apply_gate = getattr(base, "_apply_gate", None)
@@ -84,7 +83,7 @@ def experts_forward(
         gate, up = gate_up.chunk(2, dim=-1)
         h = base.act_fn(gate) * up
     out = _project(h.to(_dtype()), base.down_proj, transposed, offs, lora.get("down_proj"))
-    pairs = _Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)
+    pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)
     w = weights.float()
     acc = pairs[:, 0].float() * w[:, 0:1]
     for slot in range(1, top_k):

@@ -51,7 +51,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 @torch.compiler.disable
-def _factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A^T (E, in, r), scale * B^T (E, r, out))`` of one peft ``ParamWrapper`` in ``dtype``.
 
     Without grad (generation) the casted factors are cached on the wrapper until the adapter
@@ -83,7 +83,7 @@ def _factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
 
 
 def invalidate_factor_caches(model: nn.Module) -> None:
-    """Drop every wrapper's cached bf16 factors (see ``_factors``).
+    """Drop every wrapper's cached bf16 factors (see ``lora_factors``).
 
     Why: the cache is keyed on the adapters' ``_version``, but torch's fused AdamW (the CUDA
     optimizer, ``fused=True``) updates parameters in place without bumping it (torch 2.11-2.15),
@@ -110,7 +110,7 @@ def _lora_linear(
     return out
 
 
-class _ExpandSorted(torch.autograd.Function):
+class ExpandSorted(torch.autograd.Function):
     """``hidden[sorted_tokens]`` (each token once per routed expert, in expert order), whose
     backward is a gather plus a sum over the ``top_k`` copies — deterministic, unlike the
     scatter-add autograd gives an index (which was 1.9 s of a 9.5 s update in the profile)."""
@@ -130,7 +130,7 @@ class _ExpandSorted(torch.autograd.Function):
         return pairs.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
 
 
-class _Unsort(torch.autograd.Function):
+class Unsort(torch.autograd.Function):
     """Rows from expert order back to (token, slot) order; backward is the inverse gather."""
 
     @staticmethod
@@ -171,7 +171,7 @@ def grouped_lora_experts_forward(
         counts_in = expert_ids.int() if hidden_states.is_cuda else expert_ids.float()
         counts = torch.histc(counts_in, bins=num_experts, min=0, max=num_experts - 1)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    x = _ExpandSorted.apply(hidden_states.to(dtype), perm // top_k, inv, top_k)
+    x = ExpandSorted.apply(hidden_states.to(dtype), perm // top_k, inv, top_k)
     transposed = bool(getattr(experts, "is_transposed", False))
     gate_up = _lora_linear(x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))
     apply_gate = getattr(experts, "_apply_gate", None)
@@ -181,7 +181,7 @@ def grouped_lora_experts_forward(
         gate, up = gate_up.chunk(2, dim=-1)
         h = experts.act_fn(gate) * up
     out = _lora_linear(h.to(dtype), experts.down_proj, transposed, offs, lora.get("down_proj"))
-    pairs = _Unsort.apply(out, inv, perm).view(num_tokens, top_k, hidden)
+    pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, hidden)
     weights = top_k_weights.to(pairs.dtype).view(num_tokens, 1, top_k)
     return torch.bmm(weights, pairs).view(num_tokens, hidden).to(hidden_states.dtype)
 
@@ -225,7 +225,7 @@ def _grouped_class() -> type:
             top_k_index = kwargs.get("top_k_index", args[0] if args else None)
             top_k_weights = kwargs.get("top_k_weights", args[1] if len(args) > 1 else None)
             dtype = experts.gate_up_proj.dtype
-            lora = {name: _factors(w, dtype) for name, w in wrappers.items()}
+            lora = {name: lora_factors(w, dtype) for name, w in wrappers.items()}
             return grouped_lora_experts_forward(experts, lora, x, top_k_index, top_k_weights)
 
     _GROUPED_CLASS = GroupedLoraExperts

@@ -1,0 +1,197 @@
+"""The exact kernels' arithmetic on CPU, in Triton's interpreter (numpy), against torch's
+references: values, masking (NaN garbage past a row's keys never leaks), gradients, and a GRPO
+step of the tiny thinker in exact mode.
+
+Run by ``test_exact.py::test_kernels_in_triton_interpreter`` in a process started with
+``TRITON_INTERPRET=1`` (Triton reads it when first imported); skipped anywhere else. Bitwise
+equality between a decode step and the trainer's forward is a property of the GPU's instructions
+(``test_exact_gpu.py``): numpy's matmul rounds a row differently by its position in the matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs TRITON_INTERPRET=1 from the process start (test_exact.py runs it so)",
+)
+interpreted = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the GPU runs the compiled kernels"
+)
+
+
+# ---------------------------------------------------------------------- kernels (interpreter)
+@interpreted
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 40), (70, 96, 130), (130, 17, 8)])
+def test_matmul_matches_torch_with_bias_and_tails(m: int, k: int, n: int) -> None:
+    from omni_grpo.exact.matmul import linear
+
+    x = torch.randn(m, k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    b = torch.randn(n, requires_grad=True)
+    out = linear(x, w, b, torch.float32)
+    ref = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, w, b), g)
+    want = torch.autograd.grad(ref, (x, w, b), g)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
+
+
+@interpreted
+def test_grouped_gemm_matches_per_group_products_with_empty_groups() -> None:
+    from omni_grpo.exact.grouped import grouped_linear, tile_map
+
+    x = torch.randn(150, 32, requires_grad=True)
+    w = torch.randn(5, 32, 24, requires_grad=True)
+    offs = torch.tensor([0, 70, 70, 71, 150], dtype=torch.int32)
+    out = grouped_linear(x, w, offs)
+    bounds = [0, *offs.tolist()]
+    ref = torch.cat(
+        [x[s:e] @ w[g] for g, (s, e) in enumerate(zip(bounds, bounds[1:], strict=False))]
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    for a, e in zip(
+        torch.autograd.grad(out, (x, w), g), torch.autograd.grad(ref, (x, w), g), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
+    expert, row = tile_map(offs, 150, block_m=64)
+    used = expert >= 0
+    # expert 1 (70 rows) takes two tiles, expert 3 (1 row) one, expert 4 (79 rows) two
+    assert expert[used].tolist() == [1, 1, 3, 4, 4] and row[used].tolist() == [0, 64, 70, 71, 135]
+
+
+@interpreted
+def test_rmsnorm_and_its_gradient_match_the_transformers_formula() -> None:
+    from omni_grpo.exact.rowwise import _torch_rmsnorm, rmsnorm
+
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    w = torch.rand(48, requires_grad=True)
+    out = rmsnorm(x, w, 1e-6)
+    ref = _torch_rmsnorm(x, w, 1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(out)
+    for a, e in zip(
+        torch.autograd.grad(out, (x, w), g), torch.autograd.grad(ref, (x, w), g), strict=True
+    ):
+        torch.testing.assert_close(a, e)
+    with pytest.raises(ValueError, match="weight is torch.float64"):
+        rmsnorm(x, w.double(), 1e-6)
+
+
+@interpreted
+def test_token_logprobs_match_log_softmax_over_chunks() -> None:
+    from omni_grpo.exact.rowwise import LOGPROB_BLOCK, token_logprobs
+
+    z = torch.randn(4, 2 * LOGPROB_BLOCK + 77) * 4
+    t = torch.tensor([0, 5, LOGPROB_BLOCK + 3, z.shape[1] - 1])
+    ref = torch.log_softmax(z, -1).gather(-1, t[:, None])[:, 0]
+    torch.testing.assert_close(token_logprobs(z, t), ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        token_logprobs(z.double(), t)
+
+
+def _full_mask(starts: torch.Tensor, length: int) -> torch.Tensor:
+    keys = torch.arange(length)
+    ok = (keys[None, None] >= starts[:, None, None]) & (keys[None, None] <= keys[None, :, None])
+    return ok[:, None]
+
+
+@interpreted
+def test_attention_matches_sdpa_and_decode_ignores_garbage_past_the_slot() -> None:
+    from omni_grpo.exact.attention import attention_forward, row_bounds
+
+    torch.manual_seed(0)
+    b, h, kvh, length, d = 2, 4, 2, 90, 16
+    q = torch.randn(b, h, length, d, requires_grad=True)
+    k = torch.randn(b, kvh, length, d, requires_grad=True)
+    v = torch.randn(b, kvh, length, d, requires_grad=True)
+    starts = torch.tensor([0, 23])
+    mask = _full_mask(starts, length)
+    start, qoff = row_bounds(mask, b, length, length, q.device)
+    assert start.tolist() == [0, 23] and qoff.tolist() == [0, 0]
+    out, _ = attention_forward(None, q, k, v, mask, scaling=0.3)  # type: ignore[arg-type]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3
+    ).transpose(1, 2)
+    real = torch.arange(length)[None] >= starts[:, None]
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding queries: 0
+    g = torch.randn_like(out) * real[:, :, None, None]
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    # a decode step: a static buffer with NaN past the slot, masked as the decoder masks it
+    kb = torch.cat([k.detach(), torch.full((b, kvh, 10, d), float("nan"))], 2)
+    vb = torch.cat([v.detach(), torch.full((b, kvh, 10, d), float("nan"))], 2)
+    for t in (30, 63, 64, 89):
+        dmask = torch.zeros(b, 1, 1, length + 10, dtype=torch.bool)
+        for row in range(b):
+            dmask[row, 0, 0, int(starts[row]) : t + 1] = True
+        assert row_bounds(dmask, b, 1, length + 10, q.device)[1].tolist() == [t, t]
+        step, _ = attention_forward(None, q.detach()[:, :, t : t + 1], kb, vb, dmask, scaling=0.3)  # type: ignore[arg-type]
+        torch.testing.assert_close(step[:, 0], out.detach()[:, t], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the thinker (interpreter)
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from omni_grpo.testing.rollouts import rollout_world
+
+    return rollout_world(tmp_path_factory.mktemp("exact"), max_new_tokens=3)
+
+
+@interpreted
+@pytest.mark.parametrize("lora", [False, True])
+def test_exact_thinker_trains_and_leaves_other_models_alone(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
+    from omni_grpo.backends.torch_backend import TorchBackend
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.exact import install, precision
+    from omni_grpo.models.generation import generate
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+    from omni_grpo.trainer import media_token_ids
+    from omni_grpo.types import GRPOBatch, SamplingParams
+
+    monkeypatch.setattr(precision, "COMPUTE_DTYPE", torch.float32)
+    monkeypatch.setattr(install, "check_supported", lambda model: None)
+    plain = copy.deepcopy(world["base"])
+    prompt = world["prompts"][0]
+    ids = torch.tensor([prompt.input_ids])
+
+    def sample(model: torch.nn.Module) -> Any:
+        torch.manual_seed(3)
+        return generate(model, ids, max_new_tokens=4, **prompt.mm)
+
+    before = sample(plain)
+    model = copy.deepcopy(world["base"])
+    lora_cfg = LoraConfig(rank=4, targets=["attention", "experts"]) if lora else None
+    backend = TorchBackend(
+        model,
+        TrainerConfig(device="cpu", lr=1e-2, lora=lora_cfg, micro_batch_size=8),
+        AlgoConfig(kl_coef=0.01),
+        pad_token_id=world["eos"],
+    )
+    counts = install.enable_exact_logprobs(model)
+    assert counts["moe"] == 2 and counts["rmsnorm"] == 9 and counts["linear"] >= 9
+    assert backend.exact and not install.is_exact(plain)
+    engine = EmbeddedEngine(model, [world["eos"]], banned_token_ids=media_token_ids(model))
+    torch.manual_seed(0)
+    groups = engine.generate(world["prompts"], 4, SamplingParams(max_new_tokens=5))
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(groups))
+    metrics = backend.step(GRPOBatch(groups, adv))
+    assert metrics["train_rollout_logprob_abs_diff"] < 1e-5  # numpy's rounding only
+    assert not metrics.get("skipped_step")
+    assert set(backend.exact_watch.totals) == {p.sample.modality for p in world["prompts"]}
+    after = sample(plain)  # the registry and decode path of an unswitched model are untouched
+    assert torch.equal(before.tokens, after.tokens) and torch.equal(before.logprobs, after.logprobs)
