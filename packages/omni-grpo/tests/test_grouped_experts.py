@@ -114,3 +114,19 @@ def test_grouped_mm_fallback_matches_per_group_matmul() -> None:
     out = grouped_mm(x, w, offs)
     expect = torch.cat([x[:3] @ w[0], x[3:7] @ w[2], x[7:] @ w[3]])
     assert torch.allclose(out, expect, atol=1e-6)
+
+
+def test_padding_to_16_bytes_keeps_the_product() -> None:
+    """torch's CUDA grouped GEMM needs 16-byte strides, which a LoRA rank of 4 breaks (found on
+    the H200): the operands are zero-padded to multiples of 8 and the product cut back."""
+    from omni_grpo.models.grouped_experts import pad_to_16_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 12, generator=gen)
+    w = torch.randn(3, 12, 4, generator=gen)
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    xp, wp, n = pad_to_16_bytes(x, w)
+    assert xp.shape == (7, 16) and wp.shape == (3, 16, 8) and n == 4
+    torch.testing.assert_close(grouped_mm(xp, wp, offs)[:, :n], grouped_mm(x, w, offs))
+    aligned = torch.randn(3, 16, 8, generator=gen)
+    assert pad_to_16_bytes(xp, aligned)[1] is aligned  # nothing to pad: the same tensors

@@ -139,7 +139,11 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> tor
     """``[E, K, N]``: per group ``x_e.T @ grad_e`` (empty groups: zeros)."""
     if x.is_cuda and x.dtype == torch.bfloat16:
         fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-        return fn(x.t(), grad, offs=offs)
+        # strides must be multiples of 16 bytes (a LoRA rank of 4 is not): zero-pad, then cut
+        k, n = x.shape[1], grad.shape[1]
+        x_pad = torch.nn.functional.pad(x, (0, -k % 8))
+        grad_pad = torch.nn.functional.pad(grad, (0, -n % 8))
+        return fn(x_pad.t(), grad_pad, offs=offs)[:, :k, :n]
     out = x.new_zeros(offs.numel(), x.shape[1], grad.shape[1])
     start = 0
     for e, end in enumerate(offs.tolist()):

@@ -32,6 +32,19 @@ ADAPTER = "default"  # the one peft adapter omni_grpo.models.lora creates
 _GROUPED_CLASS: type | None = None
 
 
+def pad_to_16_bytes(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``x [T, K]`` and ``w [G, K, N]`` zero-padded to K and N multiples of 8 (bf16: 16 bytes),
+    and the true N. Why: torch's grouped GEMM refuses strides that are not multiples of 16 bytes,
+    which a LoRA rank of 4 (or any rank not a multiple of 8) makes; the zero rows and columns add
+    nothing to the product."""
+    k, n = w.shape[-2], w.shape[-1]
+    pad_k, pad_n = -k % 8, -n % 8
+    if pad_k or pad_n:
+        x = torch.nn.functional.pad(x, (0, pad_k))
+        w = torch.nn.functional.pad(w, (0, pad_n, 0, pad_k))
+    return x, w, n
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``out[rows of group g] = x[rows of group g] @ w[g]`` with ``offs`` the groups' cumulative ends.
 
@@ -40,7 +53,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """
     if x.is_cuda and w.dtype == torch.bfloat16:
         fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-        return fn(x.to(w.dtype), w, offs=offs)
+        x, w, n = pad_to_16_bytes(x.to(w.dtype), w)
+        out = fn(x, w, offs=offs)
+        return out if out.shape[-1] == n else out[:, :n]
     out = x.new_empty(x.shape[0], w.shape[-1], dtype=torch.promote_types(x.dtype, w.dtype))
     start = 0
     for g, end in enumerate(offs.tolist()):
