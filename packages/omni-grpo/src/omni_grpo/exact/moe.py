@@ -20,7 +20,13 @@ from omni_grpo.exact import precision
 from omni_grpo.exact.grouped import grouped_linear
 from omni_grpo.exact.matmul import linear
 from omni_grpo.exact.rowwise import softmax, tree_sum
-from omni_grpo.models.grouped_experts import ADAPTER, ExpandSorted, Unsort, lora_factors
+from omni_grpo.models.grouped_experts import (
+    ADAPTER,
+    ExpandSorted,
+    Unsort,
+    lora_factors,
+    sort_by_expert,
+)
 
 LoraFactors = tuple[torch.Tensor, torch.Tensor]  # (A^T, scale * B^T)
 
@@ -66,13 +72,7 @@ def experts_forward(
     num_tokens, width = hidden.shape
     top_k = top_k_index.shape[-1]
     num_experts = base.gate_up_proj.shape[0]
-    with torch.no_grad():
-        expert_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), device=perm.device)
-        ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()  # CPU: float only
-        counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    perm, inv, offs = sort_by_expert(top_k_index, num_experts, stable=True)
     x = ExpandSorted.apply(hidden.to(_dtype()), perm // top_k, inv, top_k)
     transposed = bool(getattr(base, "is_transposed", False))
     gate_up = _project(x, base.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))

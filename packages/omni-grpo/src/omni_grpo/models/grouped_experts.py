@@ -161,6 +161,21 @@ class Unsort(torch.autograd.Function):
         return grad.index_select(0, perm), None, None
 
 
+@torch.no_grad()
+def sort_by_expert(
+    top_k_index: torch.Tensor, num_experts: int, stable: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(perm, inv, offs)``: the (token, slot) pairs in expert order, its inverse, and each
+    expert's cumulative end (counted with ``histc``: no host sync). ``stable`` keeps the pairs of
+    one expert in token order (the exact path needs the same order in decode and training)."""
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1), stable=stable)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()  # CPU histc: float only
+    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
+    return perm, inv, torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
 def grouped_lora_experts_forward(
     experts: nn.Module,
     lora: dict[str, tuple[torch.Tensor, torch.Tensor] | None],
@@ -179,13 +194,7 @@ def grouped_lora_experts_forward(
     top_k = top_k_index.shape[-1]
     num_experts = experts.gate_up_proj.shape[0]
     dtype = experts.gate_up_proj.dtype
-    with torch.no_grad():
-        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), device=perm.device)
-        counts_in = expert_ids.int() if hidden_states.is_cuda else expert_ids.float()
-        counts = torch.histc(counts_in, bins=num_experts, min=0, max=num_experts - 1)
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    perm, inv, offs = sort_by_expert(top_k_index, num_experts)
     x = ExpandSorted.apply(hidden_states.to(dtype), perm // top_k, inv, top_k)
     transposed = bool(getattr(experts, "is_transposed", False))
     gate_up = _lora_linear(x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))
