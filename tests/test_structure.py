@@ -252,4 +252,3 @@ def test_no_private_name_is_imported_across_modules() -> None:
         if owner is not None and not (importer and _within(importer, owner)):
             bad.append(f"{where}: imports {target}, private to {owner}")
     assert not bad, "\n".join(bad)
-

@@ -115,3 +115,50 @@ def test_split_kv_kernel_equals_masked_sdpa_in_the_interpreter() -> None:
     worst, kinds = res.stdout.split()
     assert float(worst) < 1e-5
     assert int(kinds) >= 2  # several split counts exercised
+
+
+class _ReleasedWidths(torch.nn.Module):
+    """The released thinker's text config (48 layers, 4 KV heads of 128) without its weights."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        super().__init__()
+        text = SimpleNamespace(
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            hidden_size=2048,
+        )
+        self.config = SimpleNamespace(text_config=text)
+        self.w = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32))
+
+
+def test_a_rollout_that_cannot_fit_is_refused_at_start_up(monkeypatch) -> None:
+    """The engine is refused when it is built (before any step) from the settings alone."""
+    import pytest
+    from omni_grpo.config import RolloutConfig
+    from omni_grpo.models import generation as gen
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+
+    model = _ReleasedWidths()
+    per_position = gen.kv_bytes_per_position(model, torch.bfloat16)
+    assert per_position == 48 * 2 * 4 * 128 * 2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    fits = RolloutConfig(prompts_per_step=32, n_samples=8, sampling={"max_new_tokens": 512})
+    EmbeddedEngine.from_rollout_config(fits, policy=model, device="cuda")  # 12 GiB of 30
+    too_big = RolloutConfig(prompts_per_step=32, n_samples=8, sampling={"max_new_tokens": 2048})
+    with pytest.raises(
+        gen.KVCacheTooLarge,
+        match=r"256 rows x 2048 new tokens needs at least 48.0 GiB before any prompt token, "
+        r"but 30.0 GiB are free",
+    ):
+        EmbeddedEngine.from_rollout_config(too_big, policy=model, device="cuda")
+    # batches above max_batch_rows are generated one after another: only one is resident
+    engine = EmbeddedEngine(model, [0], device="cuda", max_batch_rows=64)
+    engine.check_fits(32, 8, 2048)  # 64 rows x 2048: 12 GiB
+    # on the CPU nothing is checked (host memory is not the decode's limit)
+    EmbeddedEngine.from_rollout_config(too_big, policy=model, device="cpu")

@@ -165,6 +165,55 @@ def kv_cache_bytes(
     return sum(2 * rows * k.shape[1] * tokens * k.shape[3] * k.element_size() for k, _ in layer_kv)
 
 
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of a CUDA device, counting what the caching allocator holds but does not use."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def kv_bytes_per_position(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """K and V bytes one row's position takes in every text decoder layer, from the text config
+    (the same buffers ``StaticDecoder`` allocates: layers x 2 x kv heads x head dim).
+
+    ``dtype``: the cache's element type (the autocast dtype on CUDA); default the weights'.
+    """
+    cfg = model.config
+    text = getattr(cfg, "text_config", None) or cfg
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if dtype is None:
+        dtype = next(model.parameters()).dtype
+    return text.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+
+
+def check_rollout_fits(
+    model: torch.nn.Module,
+    rows: int,
+    max_new_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Refuse at start-up, before the first step, a rollout batch whose KV cache cannot fit.
+
+    The settings alone fix a lower bound: ``rows`` decode rows of ``max_new_tokens`` positions
+    each, before a single prompt token (prompt lengths come from the data, so the exact size is
+    checked again by ``check_kv_fits`` before each batch allocates). A run that could never
+    generate a step stops here with the GiB it needs, not an hour later at the first rollout.
+    """
+    if device.type != "cuda":
+        return
+    need = rows * max_new_tokens * kv_bytes_per_position(model, dtype)
+    free = free_device_bytes(device)
+    if need > free:
+        raise KVCacheTooLarge(
+            f"the rollout's decode KV cache of {rows} rows x {max_new_tokens} new tokens needs at "
+            f"least {need / 2**30:.1f} GiB before any prompt token, but {free / 2**30:.1f} GiB "
+            "are free after loading the model: lower rollout.prompts_per_step, "
+            "rollout.n_samples or rollout.sampling.max_new_tokens"
+        )
+
+
 def check_kv_fits(
     layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, tokens: int, device: torch.device
 ) -> None:
@@ -177,8 +226,7 @@ def check_kv_fits(
     if device.type != "cuda":
         return
     need = kv_cache_bytes(layer_kv, rows, tokens)
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free = free_device_bytes(device)
     if need > free:
         raise KVCacheTooLarge(
             f"the decode KV cache of {rows} rows x {tokens} tokens needs {need / 2**30:.1f} GiB "

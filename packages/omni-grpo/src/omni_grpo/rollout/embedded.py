@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from omni_grpo.data.collate import collate_mm
-from omni_grpo.models.generation import generate
+from omni_grpo.models.generation import check_rollout_fits, generate
 from omni_grpo.types import Completion, PromptInputs, SamplingParams
 
 
@@ -77,7 +77,7 @@ class EmbeddedEngine:
                 "rollout.engine 'embedded' needs the trainer's in-process policy (torch backend)"
             )
         device = context.get("device", "cpu")
-        return cls(
+        engine = cls(
             policy,
             eos_token_ids or [],
             device=device,
@@ -86,6 +86,15 @@ class EmbeddedEngine:
             version_fn=context.get("version_fn"),
             banned_token_ids=context.get("banned_token_ids"),
         )
+        engine.check_fits(cfg.prompts_per_step, cfg.n_samples, cfg.sampling.max_new_tokens)
+        return engine
+
+    def check_fits(self, prompts: int, n: int, max_new_tokens: int) -> None:
+        """At start-up: refuse a step whose generation batch cannot hold its KV cache (the rows
+        of one batch: every sample of the step, up to ``max_batch_rows``), with the GiB it needs."""
+        per_batch = max(1, self.max_batch_rows // max(n, 1))
+        rows = min(prompts, per_batch) * n
+        check_rollout_fits(self.model, rows, max_new_tokens, self.device, self.autocast_dtype)
 
     def close(self) -> None:
         """Nothing to release: the engine borrows the trainer's module."""
