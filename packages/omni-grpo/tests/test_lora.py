@@ -177,6 +177,49 @@ def test_gradient_checkpointing_gives_the_same_step(world: dict) -> None:
         TrainerConfig(backend="megatron", gradient_checkpointing=True)
 
 
+def _count_products(backend: TorchBackend, batch: GRPOBatch) -> tuple[dict, int]:
+    """One step's metrics and the number of matmul / attention-core ops it ran."""
+    from omni_grpo.models.selective_checkpoint import SAVED_OPS
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            Count.n += func in SAVED_OPS
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        metrics = backend.step(batch)
+    return metrics, Count.n
+
+
+def test_selective_checkpointing_gives_the_same_step_with_less_recompute(world: dict) -> None:
+    """trainer.checkpoint_policy selective keeps the attention's products: the same loss and
+    adapters as whole-layer recompute (fp32), and fewer matmul / attention ops run in the step
+    (the attention's are not recomputed); the experts' still are."""
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * len(world["groups"]))
+    batch = GRPOBatch(world["groups"], adv)
+    targets = ["attention", "experts"]
+    plain = _backend(world, targets)
+    layer = _backend(world, targets, gradient_checkpointing=True)
+    selective = _backend(
+        world, targets, gradient_checkpointing=True, checkpoint_policy="selective"
+    )
+    p, n_plain = _count_products(plain, batch)
+    a, n_layer = _count_products(layer, batch)
+    b, n_selective = _count_products(selective, batch)
+    assert b["skipped_step"] == 0 and b["grad_norm"] > 0
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    sa, sb = layer.trainable_state(), selective.trainable_state()
+    for n in sa:
+        torch.testing.assert_close(sb[n], sa[n], rtol=0, atol=1e-6)
+    assert n_plain < n_selective < n_layer  # the experts' products are still recomputed
+    with pytest.raises(ValueError, match="checkpoint_policy 'selective' needs"):
+        TrainerConfig(checkpoint_policy="selective")
+
+
 def test_exact_kl_with_lora_reference(world: dict) -> None:
     """kl_type full takes the reference's logits from the adapters-disabled live module."""
     backend = _backend(world, algo=AlgoConfig(kl_coef=0.1, kl_type="full"))

@@ -495,6 +495,14 @@ class TrainerConfig(_Strict):
         description="torch backend: recompute each decoder layer in the backward instead of "
         "keeping its activations (the 30B thinker on one GPU needs it)",
     )
+    checkpoint_policy: Literal["layer", "selective"] = Field(
+        "layer",
+        description="with gradient_checkpointing: 'layer' recomputes each decoder layer's whole "
+        "forward in the backward; 'selective' keeps the text layers' attention products "
+        "(projections, LoRA factors, attention core: ~22 KiB per token and layer at the released "
+        "widths) and recomputes the MoE block and elementwise ops "
+        "(omni_grpo.models.selective_checkpoint)",
+    )
     compile: bool = Field(
         False,
         description="torch backend: torch.compile the text decoder layers' attention, MoE block "
@@ -512,6 +520,11 @@ class TrainerConfig(_Strict):
             raise ValueError(
                 "trainer.gradient_checkpointing is the torch backend's; megatron recomputes with "
                 "trainer.megatron.recompute"
+            )
+        if self.checkpoint_policy != "layer" and not self.gradient_checkpointing:
+            raise ValueError(
+                f"trainer.checkpoint_policy {self.checkpoint_policy!r} needs "
+                "trainer.gradient_checkpointing: true"
             )
         if self.compile and self.backend == "megatron":
             raise ValueError(

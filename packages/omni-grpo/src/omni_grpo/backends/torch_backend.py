@@ -311,7 +311,12 @@ class TorchBackend:
                     f"trainer.gradient_checkpointing: {type(model).__name__} has no "
                     "gradient_checkpointing_enable()"
                 )
-            enable()
+            if trainer.checkpoint_policy == "selective":
+                from omni_grpo.models.selective_checkpoint import selective_context_fn
+
+                enable(context_fn=selective_context_fn(model))
+            else:
+                enable()
         # trainer.compile: the decoder layers' parts compiled, swapped in for the trainer's passes
         self.compiled = None
         if trainer.compile:

@@ -282,14 +282,19 @@ class OmniThinker(nn.Module):
             )
             param.requires_grad_(not frozen)
 
-    def gradient_checkpointing_enable(self, use_reentrant: bool = False) -> None:
+    def gradient_checkpointing_enable(
+        self, use_reentrant: bool = False, context_fn: Any = None
+    ) -> None:
         """Activation checkpointing of the decoder layers (delegates to the VL model).
 
         Non-reentrant by default: with frozen embeddings (LoRA) the reentrant variant would see
         inputs that need no grad and drop the adapters' gradients. transformers renamed the
         method (``activation_checkpointing_enable``) and its keyword; both spellings are served.
+        ``context_fn``: torch's checkpoint contexts (e.g. the selective policy's), passed through.
         """
-        kwargs = {"use_reentrant": use_reentrant}
+        kwargs: dict[str, Any] = {"use_reentrant": use_reentrant}
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
         enable = getattr(self._vl, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs=kwargs)
