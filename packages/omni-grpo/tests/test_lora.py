@@ -203,9 +203,7 @@ def test_selective_checkpointing_gives_the_same_step_with_less_recompute(world: 
     targets = ["attention", "experts"]
     plain = _backend(world, targets)
     layer = _backend(world, targets, gradient_checkpointing=True)
-    selective = _backend(
-        world, targets, gradient_checkpointing=True, checkpoint_policy="selective"
-    )
+    selective = _backend(world, targets, gradient_checkpointing=True, checkpoint_policy="selective")
     p, n_plain = _count_products(plain, batch)
     a, n_layer = _count_products(layer, batch)
     b, n_selective = _count_products(selective, batch)
