@@ -35,6 +35,10 @@ from omni_grpo.config import ConfigError, load_config
             ["trainer.lora={dropout: 0.1}"],
             "rollout.exact_logprobs needs trainer.lora.dropout 0",
         ),
+        (
+            ["trainer.gradient_checkpointing=true", "trainer.checkpoint_policy=selective"],
+            "rollout.exact_logprobs needs trainer.checkpoint_policy layer (got 'selective')",
+        ),
     ],
 )
 def test_config_refuses_where_exactness_cannot_hold(overrides: list[str], fragment: str) -> None:

@@ -700,6 +700,12 @@ def exact_logprobs_refusals(cfg: OmniGRPOConfig) -> list[str]:
             f"{where} needs trainer.compile off: a compiled training forward fuses (and rounds) "
             "differently from the eager decode step"
         )
+    if cfg.trainer.checkpoint_policy != "layer":
+        out.append(
+            f"{where} needs trainer.checkpoint_policy layer (got "
+            f"{cfg.trainer.checkpoint_policy!r}): the selective policy replays the first "
+            "forward's saved products in the recompute, which exact mode runs with other kernels"
+        )
     if cfg.trainer.lora is not None and cfg.trainer.lora.dropout > 0:
         out.append(
             f"{where} needs trainer.lora.dropout 0 (got {cfg.trainer.lora.dropout}): dropout in "
