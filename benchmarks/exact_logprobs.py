@@ -151,6 +151,9 @@ def run_one(
             "pearson": metrics.get("train_rollout_logprob_pearson"),
             "skipped_step": metrics.get("skipped_step"),
             "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2),
+            # the update's phases (TorchBackend's clock): KL reference forward, policy passes
+            "reference_s": round(float(metrics.get("time_reference_s", 0.0)), 3),
+            "policy_s": round(float(metrics.get("time_policy_s", 0.0)), 3),
         }
         if exact:
             watch = backend.exact_watch
@@ -160,6 +163,10 @@ def run_one(
             watch.totals.clear()
         steps.append(row)
         print(json.dumps({"mode": mode, "exact": exact, "step": row}), file=sys.stderr, flush=True)
+    if args.profile:  # one more step, not timed: where the update's GPU time goes
+        profile_update(
+            args, backend, engine, prompts, sampling, f"{mode}_{'on' if exact else 'off'}"
+        )
     timed = steps[1:] or steps
     rows = args.prompts * args.group
     out = {
@@ -174,6 +181,32 @@ def run_one(
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def profile_update(
+    args: argparse.Namespace, backend: Any, engine: Any, prompts: Any, sampling: Any, tag: str
+) -> None:
+    """``--profile DIR``: torch.profiler over one generation and one update; the kernels by
+    total GPU time and by CPU time go to ``DIR/profile_<tag>.txt``."""
+    from omni_grpo.algo import group_advantages
+    from omni_grpo.types import GRPOBatch
+    from torch.profiler import ProfilerActivity, profile
+
+    groups = engine.generate(prompts, args.group, sampling)
+    adv = group_advantages(
+        torch.rand(len(groups), args.group), args.group, std_normalize=True, eps=1e-6
+    )
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{tag}.txt").write_text(
+        table.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+        + "\n\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    )
 
 
 def main() -> None:
@@ -192,6 +225,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", default="lora,full")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="", help="a folder: profile one extra update per run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(

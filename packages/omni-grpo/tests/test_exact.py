@@ -160,6 +160,50 @@ def test_lora_factor_cache_follows_fused_adamw_steps(world: dict[str, Any]) -> N
     torch.testing.assert_close(fresh, lora_factors(wrapper, torch.float32)[1])
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_kl_reference_forward_runs_on_torch_kernels(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
+    """The reference's logprobs are never compared with the rollout's: in exact mode its forward
+    (LoRA: the live module with the adapters off; full: the frozen copy) takes torch's kernels
+    (``exact.switch``), here with every Triton launcher made to fail, and gives the option-off
+    reference's values."""
+    from omni_grpo.backends.torch_backend import TorchBackend, make_micro_batches
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.exact import attention, combine, grouped, install, matmul, precision, rowwise
+
+    monkeypatch.setattr(precision, "COMPUTE_DTYPE", torch.float32)
+    monkeypatch.setattr(install, "check_supported", lambda model: None)
+
+    def backend_for(exact: bool) -> TorchBackend:
+        torch.manual_seed(0)  # the same LoRA A in both
+        model = copy.deepcopy(world["base"])
+        cfg = TrainerConfig(
+            device="cpu",
+            lora=LoraConfig(rank=4, targets=["attention", "experts"]) if lora else None,
+        )
+        backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
+        if exact:
+            install.enable_exact_logprobs(model)
+            if backend.reference is not None:  # as if the copy had been made after the switch
+                install.enable_exact_logprobs(backend.reference)
+        return backend
+
+    plain, exact = backend_for(False), backend_for(True)
+    for module, name in (
+        (matmul, "mm"),
+        (grouped, "gmm"),
+        (rowwise, "rmsnorm_rows"),
+        (attention, "exact_attention"),
+        (combine, "topk_sum_kernel"),
+    ):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} ran"))
+    adv = torch.ones(len(world["groups"]), len(world["groups"][0]))
+    for mb in make_micro_batches(world["groups"], adv, 8, world["eos"], token_budget=4096):
+        got = exact._reference_logp(mb, 1.0)
+        torch.testing.assert_close(got, plain._reference_logp(mb, 1.0), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the compiled kernels")
 def test_kernels_in_triton_interpreter() -> None:
     """``test_exact_interpreted.py`` in a fresh process: Triton takes TRITON_INTERPRET when it is

@@ -20,14 +20,26 @@ def _bf16(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda").to(torch.bfloat16)
 
 
-@pytest.mark.parametrize(("k", "n"), [(2048, 4096), (4096, 2048), (2048, 128), (2048, 16)])
+@pytest.mark.parametrize(
+    ("k", "n"), [(2048, 4096), (4096, 2048), (2048, 512), (2048, 128), (2048, 16), (16, 4096)]
+)
 def test_matmul_rows_do_not_depend_on_the_batch(k: int, n: int) -> None:
     from omni_grpo.exact.matmul import mm
 
-    a, b = _bf16(1000, k), _bf16(k, n) / k**0.5
-    full = mm(a, b)
+    a, b, bias = _bf16(1000, k), _bf16(k, n) / k**0.5, _bf16(n)
+    full, full_bias = mm(a, b), mm(a, b, bias)  # n <= 512: split-K, the chunks summed in order
     for lo, hi in ((0, 1), (3, 67), (500, 1000)):
         assert torch.equal(mm(a[lo:hi], b), full[lo:hi])
+        assert torch.equal(mm(a[lo:hi], b, bias), full_bias[lo:hi])
+
+
+def test_topk_sum_rows_do_not_depend_on_the_batch() -> None:
+    from omni_grpo.exact.combine import topk_sum_kernel
+
+    p, w = _bf16(3000, 8, 2048), torch.rand(3000, 8, device="cuda").to(torch.bfloat16)
+    full = topk_sum_kernel(p, w, torch.bfloat16)
+    for lo, hi in ((0, 1), (5, 69), (2000, 3000)):
+        assert torch.equal(topk_sum_kernel(p[lo:hi], w[lo:hi], torch.bfloat16), full[lo:hi])
 
 
 def test_grouped_gemm_rows_do_not_depend_on_the_other_rows() -> None:

@@ -46,6 +46,35 @@ def test_matmul_matches_torch_with_bias_and_tails(m: int, k: int, n: int) -> Non
 
 
 @interpreted
+@pytest.mark.parametrize(("m", "k", "n"), [(70, 1024, 16), (3, 2048, 130)])
+def test_split_k_matmul_matches_torch(m: int, k: int, n: int) -> None:
+    """Skinny products split K into chunks fixed by (K, N), summed in order by a second kernel."""
+    from omni_grpo.exact.matmul import config, linear
+
+    assert config(k, n)[2] == 4 and config(2048, 4096)[2] == 1
+    x, w, b = torch.randn(m, k), torch.randn(n, k) / k**0.5, torch.randn(n)
+    torch.testing.assert_close(
+        linear(x, w, b, torch.float32), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5
+    )
+
+
+@interpreted
+def test_topk_sum_matches_the_weighted_sum_and_its_gradient() -> None:
+    from omni_grpo.exact.combine import topk_sum
+
+    p = torch.randn(37, 3, 300, requires_grad=True)
+    w = torch.rand(37, 3, requires_grad=True)
+    out = topk_sum(p, w, torch.float32)
+    ref = (p * w[..., None]).sum(1)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(out)
+    for a, e in zip(
+        torch.autograd.grad(out, (p, w), g), torch.autograd.grad(ref, (p, w), g), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
 def test_grouped_gemm_matches_per_group_products_with_empty_groups() -> None:
     from omni_grpo.exact.grouped import grouped_linear, tile_map
 
@@ -195,3 +224,46 @@ def test_exact_thinker_trains_and_leaves_other_models_alone(
     assert set(backend.exact_watch.totals) == {p.sample.modality for p in world["prompts"]}
     after = sample(plain)  # the registry and decode path of an unswitched model are untouched
     assert torch.equal(before.tokens, after.tokens) and torch.equal(before.logprobs, after.logprobs)
+
+
+@interpreted
+@pytest.mark.parametrize("lora", [False, True])
+def test_checkpointed_exact_thinker_keeps_exact_logits_and_gets_torch_gradients(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
+    """Gradient checkpointing in exact mode: the training forward's logits are the exact ones
+    (bitwise those of a no-grad exact forward), the recompute runs torch's kernels
+    (``exact.switch``) and the gradients equal the option-off model's within rounding."""
+    from omni_grpo.backends.torch_backend import TorchBackend, make_micro_batches
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.exact import install, precision
+
+    monkeypatch.setattr(precision, "COMPUTE_DTYPE", torch.float32)
+    monkeypatch.setattr(install, "check_supported", lambda model: None)
+
+    def build(exact: bool) -> TorchBackend:
+        torch.manual_seed(0)  # the same LoRA A in both
+        lora_cfg = LoraConfig(rank=4, targets=["attention", "experts"]) if lora else None
+        cfg = TrainerConfig(device="cpu", lora=lora_cfg, gradient_checkpointing=True)
+        backend = TorchBackend(
+            copy.deepcopy(world["base"]), cfg, AlgoConfig(), pad_token_id=world["eos"]
+        )
+        if exact:
+            install.enable_exact_logprobs(backend.model)
+        backend.model.train()
+        return backend
+
+    adv = torch.ones(len(world["groups"]), len(world["groups"][0]))
+    mb = make_micro_batches(world["groups"], adv, 8, world["eos"], token_budget=4096)[0]
+    grads = []
+    for backend in (build(True), build(False)):
+        params = [p for p in backend.model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            no_grad = backend._logits(backend.model, mb)
+        logits = backend._logits(backend.model, mb)
+        if backend.exact:
+            assert torch.equal(logits, no_grad)
+        weights = torch.linspace(-1, 1, logits.shape[-1])
+        grads.append(torch.autograd.grad((logits.float() * weights).sum(), params))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()) + 1e-6)

@@ -397,8 +397,10 @@ class TorchBackend:
         return token_logprobs_from_logits(logits, targets, temperature, exact=self.exact)
 
     def _reference_logits(self, mb: MicroBatch) -> torch.Tensor:
-        """Logits under the KL reference (see ``__init__``), no grad."""
-        with torch.no_grad():
+        """Logits under the KL reference (see ``__init__``), no grad. With
+        ``rollout.exact_logprobs`` through torch's kernels (``exact.switch``): the reference's
+        logprobs are never compared with the rollout's."""
+        with torch.no_grad(), self._reference_kernels():
             if self.reference is not None:
                 return self._logits(self.reference, mb)
             if self.lora_reference is None:
@@ -414,6 +416,13 @@ class TorchBackend:
                 return torch.func.functional_call(model, state, (), kwargs)
 
             return self._logits(swapped, mb)
+
+    def _reference_kernels(self) -> contextlib.AbstractContextManager[None]:
+        if not self.exact:
+            return contextlib.nullcontext()
+        from omni_grpo.exact.switch import torch_kernels
+
+        return torch_kernels()
 
     def _reference_logp(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
         """Token logprobs under the KL reference, no grad."""

@@ -11,7 +11,14 @@ the tile. A tile is always ``BLOCK_M`` rows of (query position, head of one KV g
 instructions. Blocks past a row's own last key are fully masked for it and leave its running
 max, sum and accumulator bit-identical (``exp(0) = 1``, ``p = 0``), so the extra blocks a
 training tile walks for its later rows change nothing. Keys past the tile's last query are
-loaded as 0. Backward recomputes through torch's SDPA (any kernel may serve the gradient).
+loaded as 0.
+
+Backward: torch's SDPA (any kernel may serve the gradient). Under ``exact.switch.torch_kernels``
+(gradient checkpointing's recompute, the KL reference) the forward is SDPA with transformers' own
+mask — the off path's kernels — and in a recompute the SDPA graph built there travels to the
+backward attached to a saved placeholder tensor (the checkpoint hands the recomputed saved
+tensors, as objects, to the first forward's node), so the backward is SDPA's backward alone.
+Without a recompute (checkpointing off) the backward re-runs SDPA's forward first.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from omni_grpo.exact.switch import torch_kernels_on
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -196,6 +205,27 @@ def allowed_mask(start: torch.Tensor, qoff: torch.Tensor, q_len: int, kv_len: in
     return ok[:, None]
 
 
+def torch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The same attention with torch's SDPA and the model's mask (``None``: causal), as the
+    off path computes it: ``[B, H, q, d]`` -> ``[B, q, H, d]``."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # transformers' repeat_kv: SDPA's GQA mode takes no mask on CUDA
+        k = k.repeat_interleave(group, 1)
+        v = v.repeat_interleave(group, 1)
+    causal = mask is None and q.shape[2] > 1
+    if causal and k.shape[2] != q.shape[2]:
+        raise ValueError("exact attention: no mask and a KV length unlike the query's")
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+_GRAPH = "_omni_sdpa_graph"  # the placeholder's attribute that carries a recompute's SDPA graph
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -205,15 +235,39 @@ class _Attention(torch.autograd.Function):
         v: torch.Tensor,
         start: torch.Tensor,
         qoff: torch.Tensor,
+        mask: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
-        ctx.save_for_backward(q, k, v, start, qoff)
+        needs = ctx.needs_input_grad[:3]
+        if not any(needs):  # no graph (a decode step, a no-grad forward): nothing to save
+            if torch_kernels_on():
+                return torch_attention(q, k, v, mask, scale)
+            return exact_attention(q, k, v, start, qoff, scale)
+        # the same saved tensors in both branches: the checkpoint compares their metadata
+        placeholder = torch.empty(0, device=q.device)
         ctx.scale = scale
+        if torch_kernels_on():  # a recompute: SDPA with its graph, for the backward
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                leaves = tuple(
+                    t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs, strict=True)
+                )
+                out = torch_attention(*leaves, mask, scale)
+            setattr(placeholder, _GRAPH, (out, leaves, needs))
+            ctx.save_for_backward(q, k, v, start, qoff, placeholder)
+            return out.detach()
+        ctx.save_for_backward(q, k, v, start, qoff, placeholder)
         return exact_attention(q, k, v, start, qoff, scale)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, start, qoff = ctx.saved_tensors
+        q, k, v, start, qoff, placeholder = ctx.saved_tensors
+        graph = placeholder.__dict__.pop(_GRAPH, None)
+        if graph is not None:  # recomputed under exact.switch.torch_kernels: SDPA's backward
+            out, leaves, needs = graph
+            wanted = [t for t, n in zip(leaves, needs, strict=True) if n]
+            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+            gq, gk, gv = (next(grads) if n else None for n in needs)
+            return gq, gk, gv, None, None, None, None
         group = q.shape[1] // k.shape[1]
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
@@ -226,7 +280,13 @@ class _Attention(torch.autograd.Function):
                 scale=ctx.scale,
             )
             gq, gk, gv = torch.autograd.grad(out.transpose(1, 2), (qd, kd, vd), grad)
-        return gq, gk, gv, None, None, None
+        return gq, gk, gv, None, None, None, None
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """Identity saved-tensor hook: the recompute's inner SDPA graph keeps its own tensors (the
+    checkpoint's hooks would count them as the layer's)."""
+    return t
 
 
 def attention_forward(
@@ -243,9 +303,19 @@ def attention_forward(
     if dropout:
         raise ValueError("exact attention has no dropout (rollout.exact_logprobs)")
     batch, _, q_len, dim = query.shape
-    start, qoff = row_bounds(attention_mask, batch, q_len, key.shape[2], query.device)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    return _Attention.apply(query, key, value, start, qoff, scale), None
+    if torch_kernels_on() and not torch.is_grad_enabled():  # the KL reference: no graph at all
+        return torch_attention(query, key, value, _bool_mask(attention_mask), scale), None
+    start, qoff = row_bounds(attention_mask, batch, q_len, key.shape[2], query.device)
+    mask = _bool_mask(attention_mask)
+    return _Attention.apply(query, key, value, start, qoff, mask, scale), None
+
+
+def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers' SDPA mask as a boolean one (True = attend; an additive mask: 0 = attend)."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask == 0
 
 
 _REGISTERED = False

@@ -6,7 +6,8 @@ into ``BLOCK_M``-row tiles with the tiling a function of ``(K, N)`` only (``matm
 each output row is one in-order fp32 accumulation over ``K`` whatever the rows around it. The
 tile -> (expert, first row) map is computed on the device from the group offsets (no host sync:
 the decode step stays CUDA-graph capturable); the grid is sized for the worst case and spare tiles
-exit at once. Backward: torch's grouped GEMM (CUDA) or a loop over the groups (CPU tests).
+exit at once. Backward: torch's grouped GEMM (CUDA) or a loop over the groups (CPU tests), as
+is the forward under ``exact.switch.torch_kernels`` (a recompute, the KL reference).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from omni_grpo.exact.matmul import NUM_STAGES, NUM_WARPS, tiles
+from omni_grpo.exact.switch import torch_kernels_on
 
 BLOCK_M = 64
 
@@ -157,6 +159,8 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w, offs)
+        if torch_kernels_on():  # a recompute or the KL reference (exact.switch)
+            return _reference_gmm(x, w, offs)
         return gmm(x, w, offs)
 
     @staticmethod

@@ -6,15 +6,24 @@ with a different rounding. Here the tiling is a function of ``(K, N)`` only (:fu
 output element is one fp32 accumulation over ``K`` in ``BLOCK_K`` chunks, in order, with the same
 tensor-core instruction for every ``M`` — no split-K. Backward uses torch's own kernels (only the
 forward must match the rollout).
+
+Skinny products (``N <= 512``: k/v projections, the router, LoRA's A) have few output tiles, so
+a decode step's one row tile ran them on 1-4 CTAs walking all of ``K``. They split ``K`` into a
+number of chunks fixed by ``(K, N)`` (:func:`config`), each chunk accumulated in order into an
+fp32 partial, and the partials summed in chunk order by a second kernel: the reduction order of
+an element is still a function of ``(K, N)`` only, so the product stays row-invariant.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from omni_grpo.exact.switch import torch_kernels_on
 
 # One config per (K, N) class; BLOCK_M never depends on M (64 rows: one warpgroup's wgmma).
 BLOCK_M = 64
@@ -27,6 +36,21 @@ def tiles(k: int, n: int) -> tuple[int, int]:
     block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     return block_n, block_k
+
+
+@cache
+def config(k: int, n: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, splits, chunk)``: the tiling, how many ``K`` chunks (1: no split) and
+    each chunk's length (a multiple of ``BLOCK_K``). A function of ``(k, n)`` only, never of M."""
+    block_n, block_k = tiles(k, n)
+    if n <= 128 and k >= 1024:
+        splits = min(8, k // 256)
+    elif n <= 512 and k >= 1024:
+        splits = min(4, k // 512)
+    else:
+        splits = 1
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return block_n, block_k, triton.cdiv(k, chunk), chunk
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every size
@@ -42,8 +66,10 @@ def _mm_kernel(
     stride_ak,
     stride_bk,
     stride_bn,
+    stride_cs,
     stride_cm,
     stride_cn,
+    CHUNK,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -51,20 +77,24 @@ def _mm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)  # the K chunk (split-K: c is then the fp32 partials [S, M, N])
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_s * CHUNK
+    k_hi = tl.minimum(k_lo + CHUNK, K)
+    c_ptr += pid_s.to(tl.int64) * stride_cs
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         a = tl.load(
             a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            mask=(rm[:, None] < M) & (kk[None, :] < k_hi),
             other=0.0,
         )
         b = tl.load(
             b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-            mask=(kk[:, None] < K) & (rn[None, :] < N),
+            mask=(kk[:, None] < k_hi) & (rn[None, :] < N),
             other=0.0,
         )
         acc = tl.dot(a, b, acc)
@@ -77,6 +107,39 @@ def _mm_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["M", "stride_ps"])
+def _sum_chunks_kernel(
+    p_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    stride_ps,
+    stride_pm,
+    stride_cm,
+    stride_cn,
+    S: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``c = sum_s p[s] (+ bias)``, the chunks added in order ``s = 0, 1, ...``."""
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * stride_pm + rn[None, :]
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(p_ptr + stride_ps.to(tl.int64) * s + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=ok,
+    )
+
+
 def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a [M, K] @ b [K, N] (+ bias)`` in ``a``'s dtype with fp32 accumulation, row-invariant."""
     m, k = a.shape
@@ -86,13 +149,16 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
-    block_n, block_k = tiles(k, n)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    block_n, block_k, splits, chunk = config(k, n)
+    split = splits > 1
+    # split-K: the chunks' fp32 partials, summed in order below (bias added there)
+    dest = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if split else out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), splits)
     _mm_kernel[grid](
         a,
         b,
-        out,
-        bias if bias is not None else a,
+        dest,
+        bias if bias is not None and not split else a,
         m,
         n,
         k,
@@ -100,20 +166,40 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
         a.stride(1),
         b.stride(0),
         b.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HAS_BIAS=bias is not None,
+        dest.stride(0) if split else 0,
+        dest.stride(-2),
+        dest.stride(-1),
+        chunk,
+        HAS_BIAS=bias is not None and not split,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
+    if split:
+        _sum_chunks_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))](
+            dest,
+            out,
+            bias if bias is not None else a,
+            m,
+            n,
+            dest.stride(0),
+            dest.stride(1),
+            out.stride(0),
+            out.stride(1),
+            S=splits,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=block_n,
+            num_warps=NUM_WARPS,
+        )
     return out
 
 
 class _Linear(torch.autograd.Function):
-    """``x @ w.T + b`` in ``dtype``: the invariant kernel forward, torch's matmuls backward."""
+    """``x @ w.T + b`` in ``dtype``: the invariant kernel forward (torch's under
+    ``exact.switch.torch_kernels``: the same saved tensors), torch's matmuls backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -125,7 +211,9 @@ class _Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(dtype)
         w = weight.to(dtype)
-        out = mm(flat, w.t(), bias.to(dtype) if bias is not None else None)
+        b = bias.to(dtype) if bias is not None else None
+        # torch's kernel in a recompute or the KL reference (exact.switch)
+        out = torch.nn.functional.linear(flat, w, b) if torch_kernels_on() else mm(flat, w.t(), b)
         ctx.save_for_backward(flat, w)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
         return out.view(*x.shape[:-1], w.shape[0])

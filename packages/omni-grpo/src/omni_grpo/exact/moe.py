@@ -5,8 +5,8 @@ a decode step and in a training micro-batch: the router logits through the invar
 fp32 softmax whose sum is a fixed tree, the top-k by a *stable* sort (ties between bf16-equal
 router logits pick the lower expert in both paths; ``torch.topk``'s tie order is the kernel's),
 the experts through the invariant grouped GEMM (LoRA adapters as ``x W + scale (x A^T) B^T``,
-the grouped path's math, never ``W + B A``), and the top-k outputs summed in slot order by
-elementwise fp32 multiply-adds (the trainer's ``bmm`` picks its kernel from the token count).
+the grouped path's math, never ``W + B A``), and the top-k outputs summed in slot order in fp32
+by one kernel (``exact.combine``; the trainer's ``bmm`` picks its kernel from the token count).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from omni_grpo.exact import precision
+from omni_grpo.exact.combine import topk_sum
 from omni_grpo.exact.grouped import grouped_linear
 from omni_grpo.exact.matmul import linear
 from omni_grpo.exact.rowwise import softmax, tree_sum
@@ -84,11 +85,7 @@ def experts_forward(
         h = base.act_fn(gate) * up
     out = _project(h.to(_dtype()), base.down_proj, transposed, offs, lora.get("down_proj"))
     pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)
-    w = weights.float()
-    acc = pairs[:, 0].float() * w[:, 0:1]
-    for slot in range(1, top_k):
-        acc = acc + pairs[:, slot].float() * w[:, slot : slot + 1]
-    return acc.to(hidden.dtype)
+    return topk_sum(pairs, weights, hidden.dtype)
 
 
 def route(gate: nn.Module, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

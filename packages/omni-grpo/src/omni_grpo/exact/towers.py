@@ -4,7 +4,8 @@ Why: the rollout prefills a batch of prompts (every image of the batch in one to
 the trainer's micro-batch holds other rows; a tower's matmuls and convolutions choose kernels by
 the batch's size, so an image's embeddings could differ in the last bit between the two and every
 later logprob with them. Encoded one item at a time, an item's tower call has the same shapes —
-and the same deterministic kernels — in both, so its embeddings are bitwise the same.
+and the same deterministic kernels — in both, so its embeddings are bitwise the same. The KL
+reference's forward (``exact.switch.torch_kernels``) encodes the batch at once, as off.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from omni_grpo.exact.switch import torch_kernels_on
 
 
 def _concat(outs: list[Any]) -> Any:
@@ -35,7 +38,7 @@ def _visual_per_item(
     self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kw: Any
 ) -> Any:
     forward = type(self).forward
-    if grid_thw.shape[0] <= 1:
+    if grid_thw.shape[0] <= 1 or torch_kernels_on():
         return forward(self, hidden_states, grid_thw, **kw)
     from omni_grpo.models.vision_dedup import first_copies
 
@@ -54,7 +57,7 @@ def _encode_per_item(
     from omni_audio_inject.tower import same_items
 
     encode = type(self).encode
-    if input_features.ndim != 3 or input_features.shape[0] <= 1:
+    if input_features.ndim != 3 or input_features.shape[0] <= 1 or torch_kernels_on():
         return encode(self, input_features, feature_attention_mask, **kw)
     if feature_attention_mask is None:
         feature_attention_mask = torch.ones(

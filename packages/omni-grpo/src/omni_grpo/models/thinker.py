@@ -290,11 +290,21 @@ class OmniThinker(nn.Module):
         Non-reentrant by default: with frozen embeddings (LoRA) the reentrant variant would see
         inputs that need no grad and drop the adapters' gradients. transformers renamed the
         method (``activation_checkpointing_enable``) and its keyword; both spellings are served.
-        ``context_fn``: torch's checkpoint contexts (e.g. the selective policy's), passed through.
+        ``context_fn``: torch's checkpoint contexts (the selective policy's), passed through.
+
+        Otherwise the non-reentrant recompute runs under ``exact.switch.recompute_context``: in
+        exact mode (``rollout.exact_logprobs``) it rebuilds the activations with torch's kernels
+        (it only serves the gradients; the logprobs came from the first forward). With the option
+        off the context sets a flag nothing reads: the same kernels, the same numbers. (The
+        selective policy and exact mode are refused together: ``config.exact_logprobs_refusals``.)
         """
         kwargs: dict[str, Any] = {"use_reentrant": use_reentrant}
         if context_fn is not None:
             kwargs["context_fn"] = context_fn
+        elif not use_reentrant:
+            from omni_grpo.exact.switch import recompute_context
+
+            kwargs["context_fn"] = recompute_context
         enable = getattr(self._vl, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs=kwargs)
