@@ -229,3 +229,65 @@ def test_kernels_in_triton_interpreter() -> None:
     assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[
         -500:
     ]
+
+
+def test_item_cache_matches_exactly_and_evicts() -> None:
+    """Tower outputs are reused only for inputs equal to the stored ones (never on probes
+    alone), the least recently used go first, and nothing is cached while a tower trains."""
+    from omni_grpo.exact.towers import ItemCache
+
+    x = torch.zeros(1000)
+    twin = x.clone()
+    twin[1] = 1.0  # the probes (every 15th value) agree, the items do not
+    cache = ItemCache([], capacity_bytes=3 * 4000 + 3 * 4)
+    cache.put((x,), torch.ones(1))
+    assert cache.get((x.clone(),)) is not None and cache.get((twin,)) is None
+    assert cache.get((x,), tag="other call") is None  # the call's arguments are part of the key
+    cache.put((twin,), torch.zeros(1))
+    assert torch.equal(cache.get((twin,)), torch.zeros(1))
+    cache.get((x,))  # x is now the most recently used
+    cache.put((torch.full((1000,), 2.0),), torch.ones(1))
+    cache.put((torch.full((1000,), 3.0),), torch.ones(1))  # over capacity: twin goes
+    assert cache.get((twin,)) is None and cache.get((x,)) is not None
+    trainable = torch.nn.Parameter(torch.zeros(1))
+    assert ItemCache([trainable]).enabled() is False
+    trainable.requires_grad_(False)
+    assert ItemCache([trainable]).enabled() is True
+
+
+def test_towers_encode_each_item_once_per_step(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The rollout's prefill encodes a prompt's image / audio; the trainer's forwards of the step
+    find them in the cache: the same logits as encoding again, and no tower call."""
+    from omni_grpo.exact.switch import torch_kernels
+    from omni_grpo.exact.towers import encode_towers_per_item
+    from omni_grpo.testing.rollouts import rollout_world
+
+    world = rollout_world(tmp_path_factory.mktemp("towers"), n_prompts=6, n=2, max_new_tokens=2)
+    plain = world["base"]
+    model = copy.deepcopy(plain)
+    encode_towers_per_item(model)
+    visual, audio = model.model.visual, model.audio.tower
+    rows = {}
+    for group in world["groups"]:
+        mm = group[0].prompt.mm
+        kind = "image" if "pixel_values" in mm else "audio" if "input_features" in mm else None
+        if kind and kind not in rows:
+            rows[kind] = group[0]
+    assert set(rows) == {"image", "audio"}
+
+    def logits(m: torch.nn.Module, c: Any) -> torch.Tensor:
+        ids = torch.tensor([c.prompt.input_ids + c.token_ids])
+        with torch.no_grad():
+            return m(input_ids=ids, attention_mask=torch.ones_like(ids), **c.prompt.mm).logits
+
+    for kind, c in rows.items():
+        cache = (visual if kind == "image" else audio).omni_item_cache
+        want = logits(plain, c)
+        first = logits(model, c)  # the rollout's prefill: encoded, kept
+        misses = cache.misses
+        again = logits(model, c)  # the policy forward: found
+        with torch_kernels():
+            reference = logits(model, c)  # the KL reference: found too
+        assert cache.misses == misses and cache.hits >= 2, kind
+        torch.testing.assert_close(first, want, rtol=0, atol=1e-5)
+        assert torch.equal(again, first) and torch.equal(reference, first), kind
