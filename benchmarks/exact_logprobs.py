@@ -88,6 +88,7 @@ def run_one(
     from omni_grpo.backends.torch_backend import TorchBackend
     from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
     from omni_grpo.exact import enable_exact_logprobs
+    from omni_grpo.exact.towers import clear_item_caches
     from omni_grpo.models.loader import wrap_vl
     from omni_grpo.models.sideband import media_token_ids
     from omni_grpo.rollout.embedded import EmbeddedEngine
@@ -132,6 +133,9 @@ def run_one(
     steps = []
     for _ in range(args.steps):
         torch.cuda.reset_peak_memory_stats()
+        # the same prompts every step: drop the towers' items so that each step encodes its
+        # media as a step of new prompts does (the trainer's forwards then reuse the rollout's)
+        clear_item_caches(thinker)
         t = _sync()
         groups = engine.generate(prompts, args.group, sampling)
         gen_s = _sync() - t
@@ -187,22 +191,34 @@ def profile_update(
     args: argparse.Namespace, backend: Any, engine: Any, prompts: Any, sampling: Any, tag: str
 ) -> None:
     """``--profile DIR``: torch.profiler over one generation and one update; the kernels by
-    total GPU time and by CPU time go to ``DIR/profile_<tag>.txt``."""
+    total GPU time and by CPU time go to ``DIR/profile_<tag>_generation.txt`` and
+    ``DIR/profile_<tag>.txt``."""
     from omni_grpo.algo import group_advantages
     from omni_grpo.types import GRPOBatch
     from torch.profiler import ProfilerActivity, profile
 
-    groups = engine.generate(prompts, args.group, sampling)
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    from omni_grpo.exact.towers import clear_item_caches
+
+    clear_item_caches(backend.model)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        groups = engine.generate(prompts, args.group, sampling)
+        torch.cuda.synchronize()
+    _write_table(prof, out / f"profile_{tag}_generation.txt")
     adv = group_advantages(
         torch.rand(len(groups), args.group), args.group, std_normalize=True, eps=1e-6
     )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
         torch.cuda.synchronize()
+    _write_table(prof, out / f"profile_{tag}.txt")
+
+
+def _write_table(prof: Any, path: Path) -> None:
+    """The kernels by total GPU time, then by CPU time (launch-bound phases show there)."""
     table = prof.key_averages()
-    out = Path(args.profile)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_{tag}.txt").write_text(
+    path.write_text(
         table.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
         + "\n\n"
         + table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)

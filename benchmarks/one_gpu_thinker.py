@@ -343,6 +343,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.steps):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        if args.exact_logprobs:  # the same prompts every step: time the towers as new prompts
+            from omni_grpo.exact.towers import clear_item_caches
+
+            clear_item_caches(thinker)
         t = _sync(device)
         groups = engine.generate(prompts, args.group, sampling)
         gen_s = _sync(device) - t

@@ -280,6 +280,7 @@ def test_towers_encode_each_item_once_per_step(tmp_path_factory: pytest.TempPath
         with torch.no_grad():
             return m(input_ids=ids, attention_mask=torch.ones_like(ids), **c.prompt.mm).logits
 
+    firsts = {}
     for kind, c in rows.items():
         cache = (visual if kind == "image" else audio).omni_item_cache
         want = logits(plain, c)
@@ -291,3 +292,15 @@ def test_towers_encode_each_item_once_per_step(tmp_path_factory: pytest.TempPath
         assert cache.misses == misses and cache.hits >= 2, kind
         torch.testing.assert_close(first, want, rtol=0, atol=1e-5)
         assert torch.equal(again, first) and torch.equal(reference, first), kind
+        firsts[kind] = first
+    # a benchmark's next step with the same prompts: cleared caches encode again
+    from omni_grpo.exact.towers import clear_item_caches
+
+    kept = len(visual.omni_item_cache.entries) + len(audio.omni_item_cache.entries)
+    assert kept >= 2 and clear_item_caches(model) == kept
+    for kind, c in rows.items():
+        cache = (visual if kind == "image" else audio).omni_item_cache
+        assert not cache.entries, kind
+        misses = cache.misses
+        assert torch.equal(logits(model, c), firsts[kind]), kind
+        assert cache.misses > misses, kind

@@ -248,3 +248,32 @@ def encode_towers_per_item(thinker: nn.Module) -> None:
     if tower is not None:
         tower.omni_item_cache = ItemCache([])  # FrozenAudioTower: frozen by construction
         tower.encode = MethodType(_encode_per_item, tower)
+
+
+def clear_item_caches(thinker: nn.Module) -> int:
+    """Empty the towers' item caches; returns how many entries were dropped.
+
+    Why: a benchmark that feeds the same prompts at every step would otherwise find every item
+    cached from the step before and time a rollout without towers — in training a step brings
+    new prompts, so the benchmarks clear the caches at each step's start and time what a step
+    really costs (the rollout encodes its media, the trainer's forwards reuse them).
+    """
+    dropped = 0
+    for tower in _towers(thinker):
+        cache = getattr(tower, "omni_item_cache", None)
+        if isinstance(cache, ItemCache):
+            dropped += len(cache.entries)
+            cache.clear()
+    return dropped
+
+
+def _towers(thinker: nn.Module) -> list[Any]:
+    """The towers holding an item cache: the vision tower (a submodule) and the frozen audio
+    tower (no submodule: reached as ``<module>.audio.tower``, under any peft wrapper)."""
+    found: list[Any] = []
+    for module in thinker.modules():
+        for tower in (module, getattr(getattr(module, "audio", None), "tower", None)):
+            has_cache = "omni_item_cache" in getattr(tower, "__dict__", {})
+            if has_cache and all(tower is not seen for seen in found):
+                found.append(tower)
+    return found
