@@ -5,7 +5,10 @@ the router softmax, the top-k weighted sum, the token log-softmax) this computes
 once inside a training-sized batch and once inside a decode-sized one, and reports the share
 of rows that come out bitwise equal — for torch's kernel (what runs with
 ``rollout.exact_logprobs`` off) and for ``omni_grpo.exact``'s (on) — and the time of each at
-the training size and at the decode size (median of ``triton.testing.do_bench``).
+the training size (median of ``triton.testing.do_bench``) and at the decode size (replayed from a
+CUDA graph as the decode step is: ``do_bench_cudagraph``, so a small op's time is its kernel's,
+not its launch's). Attention's decode time is given for SDPA, for the off path's split-KV kernel
+and for the exact kernel; the experts' LoRA term for both grouped GEMMs.
 
 Attention compares a decode step (one query against a left-padded static KV buffer, the decode
 path's packed-GQA SDPA; ours: the exact kernel) with the full-sequence forward (transformers'
@@ -38,6 +41,17 @@ def _bench(fn: Callable[[], Any]) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def _bench_graph(fn: Callable[[], Any]) -> float:
+    """GPU time of ``fn`` replayed from a CUDA graph, as the decode step runs it: a small op's
+    eager time is its launch (a Triton launch costs tens of microseconds of Python), not the
+    kernel's."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
 def _equal_rows(part: torch.Tensor, full: torch.Tensor) -> float:
     return float((part == full).reshape(part.shape[0], -1).all(-1).float().mean())
 
@@ -67,7 +81,7 @@ def linears(dev: torch.device) -> dict[str, Any]:
             ms = _bench(partial(fn, a, w))
             row[f"{label}_train_ms"] = ms
             row[f"{label}_train_tflops"] = 2 * TRAIN_ROWS * k * n / ms / 1e9
-            row[f"{label}_decode_ms"] = _bench(partial(fn, a[:DECODE_ROWS], w))
+            row[f"{label}_decode_ms"] = _bench_graph(partial(fn, a[:DECODE_ROWS], w))
         out[name] = row
     return out
 
@@ -104,8 +118,33 @@ def grouped(dev: torch.device) -> dict[str, Any]:
             row[f"{label}_train_tflops"] = (
                 2 * xs_t.shape[0] * k * n / row[f"{label}_train_ms"] / 1e9
             )
-            row[f"{label}_decode_ms"] = _bench(partial(fn, xs_d, w, offs_d))
+            row[f"{label}_decode_ms"] = _bench_graph(partial(fn, xs_d, w, offs_d))
         out[name] = row
+    out["lora_decode"] = _grouped_lora_decode(dev, fn_torch)
+    return out
+
+
+def _grouped_lora_decode(dev: torch.device, fn_torch: Callable[..., Any]) -> dict[str, Any]:
+    """A decode step's expert LoRA term ``(x A^T) B^T`` of gate_up and down (rank 16), grouped,
+    with torch's grouped GEMM (off) and the exact one (on): GPU ms per layer."""
+    from omni_grpo.exact.grouped import gmm
+    from omni_grpo.models.grouped_experts import grouped_mm
+
+    rank = 16
+    ids = torch.rand(DECODE_ROWS, EXPERTS, device=dev).topk(TOP_K, -1).indices.reshape(-1)
+    e, perm = torch.sort(ids, stable=True)
+    offs = torch.cumsum(torch.bincount(e, minlength=EXPERTS), 0).to(torch.int32)
+    out: dict[str, Any] = {}
+    for name, (k, n) in {"gate_up": (HIDDEN, 2 * EXPERT_FFN), "down": (EXPERT_FFN, HIDDEN)}.items():
+        x = torch.randn(perm.numel(), k, device=dev, dtype=torch.bfloat16)
+        a_t = torch.randn(EXPERTS, k, rank, device=dev, dtype=torch.bfloat16)
+        b_t = torch.randn(EXPERTS, rank, n, device=dev, dtype=torch.bfloat16)
+        out[f"torch_{name}_ms"] = _bench_graph(
+            lambda x=x, a=a_t, b=b_t: grouped_mm(grouped_mm(x, a, offs), b, offs)
+        )
+        out[f"exact_{name}_ms"] = _bench_graph(
+            lambda x=x, a=a_t, b=b_t: gmm(gmm(x, a, offs), b, offs)
+        )
     return out
 
 
@@ -176,7 +215,7 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
 
 def attention(dev: torch.device) -> dict[str, Any]:
     from omni_grpo.exact import attention as ex
-    from omni_grpo.models.decode_attention import gqa_decode_attention
+    from omni_grpo.models.decode_attention import SLOT_KW, START_KW, gqa_decode_attention
 
     batch, length, extra = 8, 1024, 64
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -234,10 +273,15 @@ def attention(dev: torch.device) -> dict[str, Any]:
     qd = torch.randn(batch * 8, HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     kd = k.repeat(8, 1, 1, 1)
     vd = v.repeat(8, 1, 1, 1)
-    out["torch_decode_ms"] = _bench(
+    out["torch_decode_ms"] = _bench_graph(
         lambda: gqa_decode_attention(_M(), qd, kd, vd, dmask, scaling=scale)
     )
-    out["exact_decode_ms"] = _bench(
+    # the off path's decode step: the split-KV kernel, each row from its first key to the slot
+    kw = {START_KW: starts.repeat(8).to(torch.int32), SLOT_KW: torch.tensor([length], device=dev)}
+    out["split_kv_decode_ms"] = _bench_graph(
+        lambda: gqa_decode_attention(_M(), qd, kd, vd, dmask, scaling=scale, **kw)
+    )
+    out["exact_decode_ms"] = _bench_graph(
         lambda: ex.attention_forward(_M(), qd, kd, vd, dmask, scaling=scale)
     )
     return out
