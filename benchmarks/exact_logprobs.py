@@ -194,13 +194,12 @@ def profile_update(
     total GPU time and by CPU time go to ``DIR/profile_<tag>_generation.txt`` and
     ``DIR/profile_<tag>.txt``."""
     from omni_grpo.algo import group_advantages
+    from omni_grpo.exact.towers import clear_item_caches
     from omni_grpo.types import GRPOBatch
     from torch.profiler import ProfilerActivity, profile
 
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
-    from omni_grpo.exact.towers import clear_item_caches
-
     clear_item_caches(backend.model)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         groups = engine.generate(prompts, args.group, sampling)

@@ -120,11 +120,11 @@ def grouped(dev: torch.device) -> dict[str, Any]:
             )
             row[f"{label}_decode_ms"] = _bench_graph(partial(fn, xs_d, w, offs_d))
         out[name] = row
-    out["lora_decode"] = _grouped_lora_decode(dev, fn_torch)
+    out["lora_decode"] = _grouped_lora_decode(dev)
     return out
 
 
-def _grouped_lora_decode(dev: torch.device, fn_torch: Callable[..., Any]) -> dict[str, Any]:
+def _grouped_lora_decode(dev: torch.device) -> dict[str, Any]:
     """A decode step's expert LoRA term ``(x A^T) B^T`` of gate_up and down (rank 16), grouped,
     with torch's grouped GEMM (off) and the exact one (on): GPU ms per layer."""
     from omni_grpo.exact.grouped import gmm

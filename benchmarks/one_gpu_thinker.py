@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps({"step": steps[-1]}), file=sys.stderr, flush=True)
     if args.profile:
         profile_update(backend, groups, adv, sampling.temperature, Path(args.profile))
-        profile_generation(engine, prompts, args.group, sampling, Path(args.profile))
+        profile_generation(engine, thinker, prompts, args.group, sampling, Path(args.profile))
     last = steps[-1]
     trl: dict[str, Any] | None = None
     if args.trl_steps:
@@ -499,42 +499,45 @@ def profile_update(
 ) -> None:
     """One more update under torch.profiler: the CUDA-time table by op (where the MFU goes)."""
     from omni_grpo.types import GRPOBatch
-    from torch.profiler import profile
 
-    with profile(activities=_activities()) as prof:
-        backend.step(GRPOBatch(groups, adv, temperature=temperature))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by=_sort_key(), row_limit=45)
-    dst.write_text(table)
+    _profile_table(lambda: backend.step(GRPOBatch(groups, adv, temperature=temperature)), dst)
 
 
-def _sort_key() -> str:
-    return "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-
-
-def _activities() -> list:
-    from torch.profiler import ProfilerActivity
-
-    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-
-
-def profile_generation(engine: Any, prompts: list, group: int, sampling: Any, dst: Path) -> None:
+def profile_generation(
+    engine: Any, thinker: Any, prompts: list, group: int, sampling: Any, dst: Path
+) -> None:
     """One more generation of 64 new tokens, eager (a CUDA graph's kernels are not traced one
-    by one): the CUDA-time table by op next to the update's, as ``<dst>.generation.txt``."""
-    from torch.profiler import profile
+    by one), its media encoded as in a timed step: the table as ``<dst>.generation.txt``."""
+    from omni_grpo.exact.towers import clear_item_caches
 
+    clear_item_caches(thinker)  # a no-op with the option off
     short = sampling.model_copy(update={"max_new_tokens": 64})
+    before = os.environ.get("OMNI_GRPO_CUDA_GRAPH")
     os.environ["OMNI_GRPO_CUDA_GRAPH"] = "0"
     try:
-        with profile(activities=_activities()) as prof:
-            engine.generate(prompts, group, short)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+        _profile_table(
+            lambda: engine.generate(prompts, group, short),
+            dst.with_name(dst.name + ".generation.txt"),
+        )
     finally:
-        del os.environ["OMNI_GRPO_CUDA_GRAPH"]
-    table = prof.key_averages().table(sort_by=_sort_key(), row_limit=45)
-    dst.with_name(dst.name + ".generation.txt").write_text(table)
+        if before is None:
+            del os.environ["OMNI_GRPO_CUDA_GRAPH"]
+        else:
+            os.environ["OMNI_GRPO_CUDA_GRAPH"] = before
+
+
+def _profile_table(fn: Any, dst: Path) -> None:
+    """``fn()`` under torch.profiler; the ops by CUDA time (CPU time without a GPU) to ``dst``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    dst.write_text(prof.key_averages().table(sort_by=sort, row_limit=45))
 
 
 def _versions() -> dict[str, str | None]:

@@ -259,21 +259,10 @@ def clear_item_caches(thinker: nn.Module) -> int:
     really costs (the rollout encodes its media, the trainer's forwards reuse them).
     """
     dropped = 0
-    for tower in _towers(thinker):
-        cache = getattr(tower, "omni_item_cache", None)
-        if isinstance(cache, ItemCache):
-            dropped += len(cache.entries)
-            cache.clear()
-    return dropped
-
-
-def _towers(thinker: nn.Module) -> list[Any]:
-    """The towers holding an item cache: the vision tower (a submodule) and the frozen audio
-    tower (no submodule: reached as ``<module>.audio.tower``, under any peft wrapper)."""
-    found: list[Any] = []
-    for module in thinker.modules():
+    for module in thinker.modules():  # the audio tower is no submodule: ``<module>.audio.tower``
         for tower in (module, getattr(getattr(module, "audio", None), "tower", None)):
-            has_cache = "omni_item_cache" in getattr(tower, "__dict__", {})
-            if has_cache and all(tower is not seen for seen in found):
-                found.append(tower)
-    return found
+            cache = getattr(tower, "__dict__", {}).get("omni_item_cache")
+            if cache is not None and cache.entries:
+                dropped += len(cache.entries)
+                cache.clear()
+    return dropped
