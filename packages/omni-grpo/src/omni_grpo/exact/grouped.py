@@ -94,8 +94,19 @@ def tile_map(offs: torch.Tensor, rows: int, block_m: int = BLOCK_M) -> tuple[tor
     return torch.where(used, e, -1).to(torch.int32), row.to(torch.int32)
 
 
-def gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``x [T, K]`` rows grouped by ``offs`` times ``w [E, K, N]`` (any strides), in ``x``'s dtype."""
+TileMap = tuple[torch.Tensor, torch.Tensor]  # (tile_expert, tile_row): tile_map's result
+
+
+def gmm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: TileMap | None = None
+) -> torch.Tensor:
+    """``x [T, K]`` rows grouped by ``offs`` times ``w [E, K, N]`` (any strides), in ``x``'s dtype.
+
+    ``plan``: ``tile_map(offs, T)`` when the caller has it already. A MoE block makes six
+    grouped products over the same rows and offsets (gate_up, down and their LoRA A and B); the
+    map is ~20 small kernels, which in a decode step cost more than the products' own
+    bookkeeping (measured on the H200: the map's index, searchsorted and scan kernels 6 times per
+    layer and step), so ``exact.moe`` computes it once per block."""
     rows, k = x.shape
     experts, k2, n = w.shape
     if k != k2 or offs.numel() != experts:
@@ -103,7 +114,7 @@ def gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    tile_expert, tile_row = tile_map(offs, rows)
+    tile_expert, tile_row = plan if plan is not None else tile_map(offs, rows)
     block_n, block_k = tiles(k, n)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _gmm_kernel[grid](
@@ -157,14 +168,16 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> tor
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: TileMap | None
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, w, offs)
         if torch_kernels_on():  # a recompute or the KL reference (exact.switch)
             return _reference_gmm(x, w, offs)
-        return gmm(x, w, offs)
+        return gmm(x, w, offs, plan)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any, None, None]:  # type: ignore[override]
         x, w, offs = ctx.saved_tensors
         grad = grad.to(x.dtype)
         grad_x = grad_w = None
@@ -172,9 +185,11 @@ class _GroupedMM(torch.autograd.Function):
             grad_x = _reference_gmm(grad, w.transpose(-2, -1).to(x.dtype), offs)
         if ctx.needs_input_grad[1]:
             grad_w = _weight_grad(x, grad, offs).to(w.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: TileMap | None = None
+) -> torch.Tensor:
     """Differentiable :func:`gmm` (``w`` cast to ``x``'s dtype first, as autocast would)."""
-    return _GroupedMM.apply(x, w.to(x.dtype), offs)
+    return _GroupedMM.apply(x, w.to(x.dtype), offs, plan)

@@ -18,9 +18,10 @@ from torch import nn
 
 from omni_grpo.exact import precision
 from omni_grpo.exact.combine import topk_sum
-from omni_grpo.exact.grouped import grouped_linear
+from omni_grpo.exact.grouped import TileMap, grouped_linear, tile_map
 from omni_grpo.exact.matmul import linear
 from omni_grpo.exact.rowwise import softmax, tree_sum
+from omni_grpo.exact.switch import torch_kernels_on
 from omni_grpo.models.grouped_experts import (
     ADAPTER,
     ExpandSorted,
@@ -55,13 +56,18 @@ def experts_and_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, LoraF
 
 
 def _project(
-    x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs: torch.Tensor, lora: Any
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    offs: torch.Tensor,
+    plan: TileMap | None,
+    lora: Any,
 ) -> torch.Tensor:
     w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
-    out = grouped_linear(x, w, offs)
+    out = grouped_linear(x, w, offs, plan)
     if lora is not None:
         a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts.lora_factors)
-        out = out + grouped_linear(grouped_linear(x, a_t, offs), b_t, offs)
+        out = out + grouped_linear(grouped_linear(x, a_t, offs, plan), b_t, offs, plan)
     return out
 
 
@@ -76,14 +82,17 @@ def experts_forward(
     perm, inv, offs = sort_by_expert(top_k_index, num_experts, stable=True)
     x = ExpandSorted.apply(hidden.to(_dtype()), perm // top_k, inv, top_k)
     transposed = bool(getattr(base, "is_transposed", False))
-    gate_up = _project(x, base.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))
+    # one tile map for the block's six grouped products (the same rows, the same offsets);
+    # none where torch's grouped GEMM computes them (a recompute, the KL reference)
+    plan = None if torch_kernels_on() else tile_map(offs, x.shape[0])
+    gate_up = _project(x, base.gate_up_proj, transposed, offs, plan, lora.get("gate_up_proj"))
     apply_gate = getattr(base, "_apply_gate", None)
     if apply_gate is not None:
         h = apply_gate(gate_up)
     else:
         gate, up = gate_up.chunk(2, dim=-1)
         h = base.act_fn(gate) * up
-    out = _project(h.to(_dtype()), base.down_proj, transposed, offs, lora.get("down_proj"))
+    out = _project(h.to(_dtype()), base.down_proj, transposed, offs, plan, lora.get("down_proj"))
     pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)
     return topk_sum(pairs, weights, hidden.dtype)
 
