@@ -128,6 +128,43 @@ def test_token_logprobs_match_log_softmax_over_chunks() -> None:
         token_logprobs(z.double(), t)
 
 
+@interpreted
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_kernel_is_the_stable_sorted_softmax_top_k(normalize: bool) -> None:
+    """The one-kernel router against the torch steps it replaces: the same experts in the same
+    order (ties: the lower expert first), the same weights to fp32 rounding."""
+    from omni_grpo.exact.router import route_rows
+    from omni_grpo.exact.rowwise import softmax, tree_sum
+
+    z = torch.randn(37, 128) * 3
+    z[0, [3, 9, 50, 100]] = 9.0  # a four-way tie at the top
+    z[1] = 0.0  # every expert tied
+    index, weights = route_rows(z, 8, normalize)
+    probs = softmax(z)
+    want_w, want_i = torch.sort(probs, dim=-1, descending=True, stable=True)
+    want_w, want_i = want_w[:, :8], want_i[:, :8]
+    if normalize:
+        want_w = want_w / tree_sum(want_w)
+    assert torch.equal(index, want_i)
+    assert index[0, :4].tolist() == [3, 9, 50, 100] and index[1].tolist() == list(range(8))
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    head_i, head_w = route_rows(z[:5], 8, normalize)
+    assert torch.equal(head_i, index[:5]) and torch.equal(head_w, weights[:5])
+    with pytest.raises(ValueError, match="top_k 200 exceeds the 128 experts"):
+        route_rows(z, 200, normalize)
+    # the gradient (the router trains in full fine-tuning): torch's through the same steps
+    from omni_grpo.exact.router import route
+
+    g = torch.linspace(-1, 1, 37 * 8).view(37, 8)
+    leaf = z.clone().requires_grad_()
+    (got,) = torch.autograd.grad(route(leaf, 8, normalize)[1], leaf, g)
+    ref = z.clone().requires_grad_()
+    values = torch.softmax(ref, -1).gather(-1, want_i)
+    values = values / values.sum(-1, keepdim=True) if normalize else values
+    (want,) = torch.autograd.grad(values, ref, g)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def _full_mask(starts: torch.Tensor, length: int) -> torch.Tensor:
     keys = torch.arange(length)
     ok = (keys[None, None] >= starts[:, None, None]) & (keys[None, None] <= keys[None, :, None])

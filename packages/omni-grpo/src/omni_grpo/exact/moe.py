@@ -1,9 +1,10 @@
 """The MoE block in exact mode: router, top-k, experts and their weighted sum, row-invariant.
 
 Every step is chosen so that a token's output depends on that token alone, in the same order in
-a decode step and in a training micro-batch: the router logits through the invariant matmul, an
-fp32 softmax whose sum is a fixed tree, the top-k by a *stable* sort (ties between bf16-equal
-router logits pick the lower expert in both paths; ``torch.topk``'s tie order is the kernel's),
+a decode step and in a training micro-batch: the router logits through the invariant matmul, the
+fp32 softmax, top-k and renormalisation in one per-token kernel (``exact.router``; ties between
+bf16-equal router logits pick the lower expert in both paths, as a stable sort would;
+``torch.topk``'s tie order is the kernel's),
 the experts through the invariant grouped GEMM (LoRA adapters as ``x W + scale (x A^T) B^T``,
 the grouped path's math, never ``W + B A``), and the top-k outputs summed in slot order in fp32
 by one kernel (``exact.combine``; the trainer's ``bmm`` picks its kernel from the token count).
@@ -11,6 +12,7 @@ by one kernel (``exact.combine``; the trainer's ``bmm`` picks its kernel from th
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from omni_grpo.exact import precision
 from omni_grpo.exact.combine import topk_sum
 from omni_grpo.exact.grouped import TileMap, grouped_linear, tile_map
 from omni_grpo.exact.matmul import linear
+from omni_grpo.exact.router import route as route_kernel
 from omni_grpo.exact.rowwise import softmax, tree_sum
 from omni_grpo.exact.switch import torch_kernels_on
 from omni_grpo.models.grouped_experts import (
@@ -101,10 +104,15 @@ def route(gate: nn.Module, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tens
     """``(top_k_index, weights)``: transformers' Qwen3 router (softmax, top-k, renormalised, cast
     to the logits' dtype) with the order-fixed pieces above."""
     logits = linear(hidden, gate.weight, None, _dtype())
+    normalize = getattr(gate, "norm_topk_prob", True)
+    if logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        index, values = route_kernel(logits, top_k, normalize)  # one kernel (exact.router)
+        return index, values.to(logits.dtype)
+    # CPU without Triton (tests of the plumbing): the same steps in torch, each order-fixed
     probs = softmax(logits)
     values, index = torch.sort(probs, dim=-1, descending=True, stable=True)
     values, index = values[:, :top_k], index[:, :top_k]
-    if getattr(gate, "norm_topk_prob", True):
+    if normalize:
         values = values / tree_sum(values)
     return index, values.to(logits.dtype)
 
