@@ -103,10 +103,9 @@ def gmm(
     """``x [T, K]`` rows grouped by ``offs`` times ``w [E, K, N]`` (any strides), in ``x``'s dtype.
 
     ``plan``: ``tile_map(offs, T)`` when the caller has it already. A MoE block makes six
-    grouped products over the same rows and offsets (gate_up, down and their LoRA A and B); the
-    map is ~20 small kernels, which in a decode step cost more than the products' own
-    bookkeeping (measured on the H200: the map's index, searchsorted and scan kernels 6 times per
-    layer and step), so ``exact.moe`` computes it once per block."""
+    grouped products over the same rows and offsets (gate_up, down and their LoRA A and B), and
+    the map is ~20 small kernels: the H200 generation profile showed its index, searchsorted and
+    scan kernels 6 times per layer and decode step, so ``exact.moe`` computes it once per block."""
     rows, k = x.shape
     experts, k2, n = w.shape
     if k != k2 or offs.numel() != experts:
