@@ -118,4 +118,8 @@ def test_cuda_generation_logprobs(setup, graph):
     lp = torch.log_softmax(logits[:, input_ids.shape[1] - 1 : -1].float() / 0.8, -1)
     lp = lp.gather(-1, res.tokens.cuda()[..., None])[..., 0].cpu()
     assert lp.shape[1] == n
-    assert (lp - res.logprobs).abs().max() <= 1e-4
+    # fp32 both ways, but not the same kernels: the decode steps attend through the split-KV
+    # Triton kernel over the cache, the reference through SDPA over the whole sequence, so the
+    # sums run in another order (1.66e-4 measured on one H200). A wrong position, mask or cache
+    # slot moves a logprob by 1e-2 or more.
+    assert (lp - res.logprobs).abs().max() <= 5e-4

@@ -387,12 +387,12 @@ def init_parallel(megatron: Any, seed: int = 0, backend: str | None = None) -> N
     ps = mcore().parallel_state
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=os.environ.get("MASTER_PORT", "29517"),
-            )
+            from omni_grpo.serve import free_port
+
+            # a one-process world: any port the OS says is free (a fixed one collides with
+            # whatever else holds it on a shared box: EADDRINUSE)
+            port = os.environ.get("MASTER_PORT") or str(free_port("127.0.0.1"))
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
