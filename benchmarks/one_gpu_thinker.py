@@ -31,6 +31,14 @@ and the backward's activation gradients (1x forward: the base weights are frozen
 gradients), LoRA's own FLOPs and the towers left out (small, frozen). (Until session 33 the
 recompute counted the LM head too: 1.5 % more FLOPs at 8 x 8 x 512.)
 
+Real lengths (``--lengths lognormal:MEDIAN:SIGMA``): each row's completion ends at a length drawn
+per step (seeded) from a lognormal, clipped to ``--max-new-tokens``, instead of the uniform worst
+case; ``--batching both`` generates every step with the static decoder and the continuous one
+(``models.continuous``) on the same drawn lengths, in the same process, and reports their
+tokens/s and ratio. Their roofline counts only the rows still running at each decode step (their
+distinct experts and their KV): finished rows are not free in the ratio. ``--long-prompts``: 60 s
+of audio and a 32-frame video in every prompt. ``--generation-only`` skips the update.
+
 Prints ONE JSON object.
 
     python benchmarks/one_gpu_thinker.py --work /tmp/og                       # H200, 8 x 8 x 512
@@ -180,6 +188,37 @@ def recompute_flops(
     return flops
 
 
+def _percentiles(lengths: list[int]) -> dict[str, float]:
+    """Completion-length percentiles (p50, p90, p99), mean and max."""
+    arr = np.asarray(lengths, dtype=float)
+    out = {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
+    return {**out, "mean": float(arr.mean()), "max": float(arr.max())}
+
+
+def draw_lengths(spec: str, rows: int, limit: int, seed: int) -> list[int]:
+    """Each row's completion length: ``uniform`` (every row ``limit``: the worst case) or
+    ``lognormal:MEDIAN:SIGMA`` (ceil of a lognormal draw, clipped to [1, limit])."""
+    if spec == "uniform":
+        return [limit] * rows
+    kind, median, sigma = spec.split(":")
+    if kind != "lognormal":
+        raise SystemExit(f"--lengths: unknown distribution {kind!r} (uniform, lognormal:M:S)")
+    draw = np.random.default_rng(seed).lognormal(np.log(float(median)), float(sigma), rows)
+    return [int(x) for x in np.clip(np.ceil(draw), 1, limit)]
+
+
+def variable_decode_bytes(s: dict[str, float], prompt_lens: list[int], lengths: list[int]) -> float:
+    """Bytes the decode steps must read when every row runs at once and leaves when it ends:
+    step t (tokens 2.. of a row come from decode steps) reads the weights the rows still running
+    route to and their KV (prompt + t keys each)."""
+    total = 0.0
+    order = sorted(zip(lengths, prompt_lens, strict=True))
+    for t in range(1, max(lengths)):
+        live = [p for n, p in order if n > t]
+        total += decode_step_bytes(s, len(live), sum(p + t for p in live))
+    return total
+
+
 def synthetic_media(args: argparse.Namespace) -> None:
     """Media loaders that return synthetic arrays: 30 s of a chirp, 16 moving colour frames."""
     import omni_grpo.data.prompt as prompt_mod
@@ -276,15 +315,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if kind != "image":  # the loaders are synthetic (synthetic_media); the file must exist
             path = work / "media" / f"{kind}{i}.bin"
             path.write_bytes(b"synthetic")
-        samples.append(
-            Sample(
-                uid=f"p{i}",
-                prompt=f"<{kind}>Question {i}. Describe it in detail.",
-                label="",
-                media=[{"type": kind, "path": str(path)}],
-                modality=kind,
-            )
-        )
+        media = [{"type": kind, "path": str(path)}]
+        text = f"<{kind}>Question {i}. Describe it in detail."
+        if args.long_prompts:  # a video and a long recording in every prompt
+            kind = "video+audio"
+            media = []
+            for item in ("video", "audio"):
+                path = work / "media" / f"{item}{i}.bin"
+                path.write_bytes(b"synthetic")
+                media.append({"type": item, "path": str(path)})
+            text = f"<video><audio>Question {i}. What is said while this happens?"
+        samples.append(Sample(uid=f"p{i}", prompt=text, label="", media=media, modality=kind))
     prompts = [builder.build(s, "/") for s in samples]
     eos = end_of_turn_ids(vl_dir, tok)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
@@ -309,14 +350,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from omni_grpo.exact import enable_exact_logprobs
 
         enable_exact_logprobs(thinker)
-    engine = EmbeddedEngine(
-        thinker,
-        [],
-        device=device,
-        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        banned_token_ids=media_token_ids(thinker) + eos,
-    )
+    plan: dict[str, list[int]] = {}  # this step's drawn lengths, read by the engines
+
+    def length_plan(batch: list[Any], n: int) -> list[int]:
+        return [plan["lengths"][i * n + j] for i in range(len(batch)) for j in range(n)]
+
+    batchings = ["static", "continuous"] if args.batching == "both" else [args.batching]
+    engines = {
+        name: EmbeddedEngine(
+            thinker,
+            [],
+            device=device,
+            autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+            decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
+            banned_token_ids=media_token_ids(thinker) + eos,
+            batching=name,
+            max_batch_rows=args.static_batch_rows if name == "static" else 512,
+            length_plan=length_plan,
+        )
+        for name in batchings
+    }
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     sizes = text_sizes(cfg, args.rank, targets)
     prompt_lens = [len(p.input_ids) for p in prompts]
@@ -330,36 +383,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     roofline_s = (
         decode_bytes / limits["copy_bytes_per_s"] + prefill_flops / limits["matmul_flops_per_s"]
     )
-    train_seqs = [n + args.max_new_tokens for n in prompt_lens for _ in range(args.group)]
-    fwd = forward_flops(sizes, train_seqs, rows * args.max_new_tokens)
-    # reference + policy forward + activation-gradient backward, and the recompute
-    update_flops = fwd * 3 + recompute_flops(
-        sizes, train_seqs, rows * args.max_new_tokens, args.checkpoint_policy
-    )
+    row_prompt_lens = [n for n in prompt_lens for _ in range(args.group)]
 
-    steps = []
+    from omni_grpo.exact.towers import clear_item_caches
+
+    steps: list[dict[str, Any]] = []
     torch.manual_seed(args.seed)
     peak = 0.0
     for _ in range(args.steps):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        if args.exact_logprobs:  # the same prompts every step: time the towers as new prompts
-            from omni_grpo.exact.towers import clear_item_caches
-
-            clear_item_caches(thinker)
-        t = _sync(device)
-        groups = engine.generate(prompts, args.group, sampling)
-        gen_s = _sync(device) - t
+        # exact: the same prompts every step, so each engine's rollout drops the towers' items
+        # (cleared in the loop below) and is timed as new prompts cost it
+        plan["lengths"] = draw_lengths(
+            args.lengths, rows, args.max_new_tokens, args.seed * 1000 + len(steps)
+        )
+        var_roofline_s = (
+            variable_decode_bytes(sizes, row_prompt_lens, plan["lengths"])
+            / limits["copy_bytes_per_s"]
+            + prefill_flops / limits["matmul_flops_per_s"]
+        )
+        by_engine: dict[str, dict[str, Any]] = {}
+        for name, engine in engines.items():
+            if args.exact_logprobs:
+                clear_item_caches(thinker)
+            t = _sync(device)
+            groups = engine.generate(prompts, args.group, sampling)
+            took = _sync(device) - t
+            made = sum(len(c.token_ids) for gr in groups for c in gr)
+            by_engine[name] = {
+                "generation_s": round(took, 3),
+                "new_tokens": made,
+                "tokens_per_s": round(made / took, 1),
+                "variable_roofline_ratio": round(var_roofline_s / took, 4),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2)
+                if device.type == "cuda"
+                else None,
+            }
+        gen_s = took  # the last engine's rollout is the one trained on
+        lengths = [len(c.token_ids) for gr in groups for c in gr]
         rewards = torch.rand(len(groups), args.group)
         adv = group_advantages(rewards, args.group, std_normalize=True, eps=1e-6)
-        t = _sync(device)
-        metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
-        upd_s = _sync(device) - t
+        metrics: dict[str, Any] = {}
+        upd_s = 0.0
+        if not args.generation_only:
+            t = _sync(device)
+            metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
+            upd_s = _sync(device) - t
         if device.type == "cuda":
             peak = max(peak, torch.cuda.max_memory_allocated() / GIB)
         new_tokens = sum(len(c.token_ids) for gr in groups for c in gr)
+        train_seqs = [n + m for n, m in zip(row_prompt_lens, lengths, strict=True)]
+        fwd = forward_flops(sizes, train_seqs, new_tokens)
+        # reference + policy forward + activation-gradient backward, and the recompute
+        update_flops = fwd * 3 + recompute_flops(
+            sizes, train_seqs, new_tokens, args.checkpoint_policy
+        )
+        if args.lengths == "uniform":
+            var_roofline_s = roofline_s
         steps.append(
             {
+                "batching": by_engine,
+                "completion_lengths": _percentiles(lengths),
+                "variable_roofline_s": round(var_roofline_s, 3),
                 "generation_s": round(gen_s, 3),
                 "reference_s": round(metrics.get("time_reference_s", float("nan")), 3),
                 "policy_s": round(metrics.get("time_policy_s", float("nan")), 3),
@@ -367,8 +453,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "step_s": round(gen_s + upd_s, 3),
                 "new_tokens": new_tokens,
                 "tokens_per_s": round(new_tokens / gen_s, 1),
-                "generation_roofline_ratio": round(roofline_s / gen_s, 4),
-                "update_mfu": round(update_flops / upd_s / limits["matmul_flops_per_s"], 4),
+                "generation_roofline_ratio": round(var_roofline_s / gen_s, 4),
+                "update_mfu": round(update_flops / upd_s / limits["matmul_flops_per_s"], 4)
+                if upd_s
+                else None,
                 "logprob_pearson": metrics.get("train_rollout_logprob_pearson"),
                 "logprob_abs_diff": metrics.get("train_rollout_logprob_abs_diff"),
                 "logprob_exact_fraction": metrics.get("train_rollout_logprob_exact_fraction"),
@@ -405,6 +493,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "checkpoint_policy": args.checkpoint_policy,
             "compile": args.compile,
             "exact_logprobs": args.exact_logprobs,
+            "lengths": args.lengths,
+            "batching": args.batching,
+            "static_batch_rows": args.static_batch_rows,
+            "long_prompts": args.long_prompts,
+            "audio_seconds": args.audio_seconds,
+            "video_frames": args.video_frames,
+            "generation_only": args.generation_only,
         },
         "limits": limits,
         "roofline": {
@@ -592,6 +687,29 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--lengths",
+        default="uniform",
+        help="completion lengths: uniform (every row --max-new-tokens) or lognormal:MEDIAN:SIGMA",
+    )
+    ap.add_argument(
+        "--batching",
+        choices=["static", "continuous", "both"],
+        default="static",
+        help="the embedded engine's decoder; both: each step with each, same lengths",
+    )
+    ap.add_argument(
+        "--static-batch-rows",
+        type=int,
+        default=512,
+        help="the static engine's max_batch_rows (its KV must fit: 64 for 256 x 4096)",
+    )
+    ap.add_argument(
+        "--long-prompts",
+        action="store_true",
+        help="every prompt a 32-frame video and 60 s of audio (unless given otherwise)",
+    )
+    ap.add_argument("--generation-only", action="store_true", help="skip the update")
+    ap.add_argument(
         "--trl-steps", type=int, default=0, help="then TRL+peft: --trl-warmup + this many steps"
     )
     ap.add_argument("--trl-warmup", type=int, default=1, help="TRL steps run before the timed ones")
@@ -599,6 +717,12 @@ def main() -> None:
         "--profile", default=None, help="write a profiler table of one more update here"
     )
     args = ap.parse_args()
+    if args.long_prompts:
+        given = set(sys.argv)
+        if "--audio-seconds" not in given:
+            args.audio_seconds = 60.0
+        if "--video-frames" not in given:
+            args.video_frames = 32
     torch.set_num_threads(max(1, int(os.environ.get("OMNI_GRPO_TORCH_THREADS", "0")) or 4))
     print(json.dumps(run(args)))
 

@@ -60,13 +60,15 @@ def _kernels() -> tuple[Any, Any]:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         SPLITS: tl.constexpr,
+        SLOT_STRIDE: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
         kv_heads = tl.num_programs(1)
         start = tl.load(start_ptr + b)
-        end = tl.load(slot_ptr) + 1  # the slot written this step is the row's last key
+        # the slot written this step is the row's last key (one for all rows, or one per row)
+        end = tl.load(slot_ptr + b * SLOT_STRIDE) + 1
         first = (start // BLOCK) * BLOCK  # blocks aligned to the buffer: coalesced loads
         chunk = tl.cdiv(tl.cdiv(end - first, SPLITS), BLOCK) * BLOCK
         lo = tl.multiple_of(first + s * chunk, BLOCK)
@@ -163,7 +165,8 @@ def decode_attention_kernel(
 
     ``query [B, KVH, G, D]`` (the G query heads of a KV group as rows), ``key``/``value``
     ``[B, KVH, T, D]`` (any strides with a contiguous last dim), ``start [B]`` int32 (first real
-    key of each row), ``slot [1]`` int64 (the last key, the same for every row). Returns
+    key of each row), ``slot [1]`` int64 (the last key, the same for every row) or ``[B]`` (each
+    row's own last key: the continuous decoder's rows started at different steps). Returns
     ``[B, KVH, G, D]`` in the query's dtype.
     """
     split_kernel, merge_kernel = _kernels()
@@ -202,6 +205,7 @@ def decode_attention_kernel(
         D=dim,
         BLOCK=BLOCK_N,
         SPLITS=splits,
+        SLOT_STRIDE=1 if slot.numel() > 1 else 0,
     )
     merge_kernel[(batch, kv_heads)](
         m,

@@ -100,6 +100,7 @@ def sample_step(
     suppress: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     exact: bool = False,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``[B, V]`` logits; return (tokens, logprobs) per the convention.
 
@@ -108,7 +109,10 @@ def sample_step(
 
     The draw is ``torch.multinomial(probs, 1)``'s own algorithm (argmax of ``probs / Exp(1)``
     noise: the same tokens for the same RNG state) without its input checks, which read values
-    back to the host and so could not run inside a CUDA graph.
+    back to the host and so could not run inside a CUDA graph. ``noise`` (``[B, V]`` Exp(1)
+    draws) replaces the generator's: the continuous decoder keys it on each sample and position
+    (``models.continuous.sample_noise``), so a row draws the same tokens whichever rows share
+    its batch.
     """
     logits = logits.float()
     scaled = logits / temperature if temperature > 0 else logits
@@ -117,7 +121,8 @@ def sample_step(
         tokens = allowed.argmax(-1)
     else:
         probs = torch.softmax(allowed, dim=-1)
-        noise = torch.empty_like(probs).exponential_(1, generator=generator)
+        if noise is None:
+            noise = torch.empty_like(probs).exponential_(1, generator=generator)
         tokens = (probs / noise).argmax(-1)
     if exact:
         from omni_grpo.exact.rowwise import token_logprobs
@@ -128,7 +133,11 @@ def sample_step(
 
 # ------------------------------------------------------------------------------------- decoding
 class _Slots:
-    """The cache object the HF attention layers write to: one fixed slot per decode step."""
+    """The cache object the HF attention layers write to: one fixed slot per decode step.
+
+    ``slot``: ``[1]`` (every row writes the same column: the static decoder) or ``[B]`` (one
+    column per row: the continuous decoder, whose rows started at different steps).
+    """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor):
         self.keys, self.values, self.slot = keys, values, slot
@@ -142,8 +151,13 @@ class _Slots:
         **__: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        k.index_copy_(2, self.slot, key_states.to(k.dtype))
-        v.index_copy_(2, self.slot, value_states.to(v.dtype))
+        if self.slot.numel() == 1:
+            k.index_copy_(2, self.slot, key_states.to(k.dtype))
+            v.index_copy_(2, self.slot, value_states.to(v.dtype))
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)
+            k[rows, :, self.slot] = key_states[:, :, 0].to(k.dtype)
+            v[rows, :, self.slot] = value_states[:, :, 0].to(v.dtype)
         return k, v
 
 
@@ -235,7 +249,78 @@ def check_kv_fits(
         )
 
 
-class StaticDecoder:
+class GraphStep:
+    """A decoder whose ``step()`` touches only fixed tensors: on CUDA it is captured once as a
+    CUDA graph and replayed (``StaticDecoder`` here, ``models.continuous.ContinuousDecoder``)."""
+
+    graph: torch.cuda.CUDAGraph | None = None
+
+    def bind(self, thinker: OmniThinker) -> None:
+        """Keep the text decoder's parts a step runs (embedding, layers, norm, rope, LM head)."""
+        lm = thinker.model.language_model
+        self.embed, self.layers, self.norm, self.rotary = (
+            lm.embed_tokens,
+            lm.layers,
+            lm.norm,
+            lm.rotary_emb,
+        )
+        self.lm_head = thinker.lm_head
+        self.cache_kw = cache_arg_name(self.layers[0].forward)
+
+    def logits(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        slots: _Slots,
+        mask: torch.Tensor,
+        start: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[B, V]`` next-token logits of one fed token per row, its K/V written to ``slots``."""
+        hidden = self.embed(tok[:, None])
+        rope = self.rotary(hidden, pos)
+        for layer in self.layers:
+            out = layer(
+                hidden,
+                attention_mask=mask[:, None, None, :],
+                position_embeddings=rope,
+                **{self.cache_kw: slots, START_KW: start, SLOT_KW: slots.slot},
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        return self.lm_head(self.norm(hidden))[:, -1]
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def capture(self, warmup: int = 2) -> int:
+        """Run ``warmup`` real steps on a side stream, then capture one step; returns steps run."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        dtype = torch.get_autocast_dtype("cuda")
+        autocast = torch.autocast(
+            "cuda", dtype=dtype, enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False
+        )
+        try:  # nothing runs while capturing, so a failed capture leaves the state untouched
+            with autocast, torch.cuda.graph(graph):
+                self.step()
+        except RuntimeError as err:
+            log.warning("decode step not capturable as a CUDA graph (%s); decoding eagerly", err)
+            return warmup
+        self.graph = graph
+        return warmup
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.step()
+        else:
+            self.graph.replay()
+
+
+class StaticDecoder(GraphStep):
     """Decode steps of a prefilled batch over fixed KV buffers; on CUDA, replayed as one graph.
 
     A step feeds the last sampled token of every row (rows that already stopped too: their extra
@@ -254,16 +339,8 @@ class StaticDecoder:
         sample: dict[str, Any],
         repeats: int = 1,
     ) -> None:
-        lm = thinker.model.language_model
-        self.embed, self.layers, self.norm, self.rotary = (
-            lm.embed_tokens,
-            lm.layers,
-            lm.norm,
-            lm.rotary_emb,
-        )
-        self.lm_head = thinker.lm_head
+        self.bind(thinker)
         self.sample = sample
-        self.cache_kw = cache_arg_name(self.layers[0].forward)
         # ``repeats``: the prefill ran once per prompt; each of its rows becomes ``repeats``
         # consecutive decode rows (the same KV, mask and positions: exact by construction)
         attention_mask = attention_mask.repeat_interleave(repeats, 0)
@@ -302,19 +379,8 @@ class StaticDecoder:
         """Feed ``self.tok``, sample and record the next token (no host syncs)."""
         self.mask.index_fill_(1, self.slot, True)
         pos = (self.pos0 + self.fed).unsqueeze(0).expand(3, -1, -1)
-        hidden = self.embed(self.tok[:, None])
-        rope = self.rotary(hidden, pos)
         slots = _Slots(self.keys, self.values, self.slot)
-        mask = self.mask[:, None, None, :]
-        for layer in self.layers:
-            out = layer(
-                hidden,
-                attention_mask=mask,
-                position_embeddings=rope,
-                **{self.cache_kw: slots, START_KW: self.start, SLOT_KW: self.slot},
-            )
-            hidden = out[0] if isinstance(out, tuple) else out
-        logits = self.lm_head(self.norm(hidden))[:, -1]
+        logits = self.logits(self.tok, pos, slots, self.mask, self.start)
         tok, lp = sample_step(logits, **self.sample)
         self.tokens.index_copy_(1, self.count, tok[:, None])
         self.logprobs.index_copy_(1, self.count, lp[:, None].float())
@@ -322,34 +388,6 @@ class StaticDecoder:
         self.fed += 1
         self.slot += 1
         self.count += 1
-
-    def capture(self, warmup: int = 2) -> int:
-        """Run ``warmup`` real steps on a side stream, then capture one step; returns steps run."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                self.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        dtype = torch.get_autocast_dtype("cuda")
-        autocast = torch.autocast(
-            "cuda", dtype=dtype, enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False
-        )
-        try:  # nothing runs while capturing, so a failed capture leaves the state untouched
-            with autocast, torch.cuda.graph(graph):
-                self.step()
-        except RuntimeError as err:
-            log.warning("decode step not capturable as a CUDA graph (%s); decoding eagerly", err)
-            return warmup
-        self.graph = graph
-        return warmup
-
-    def replay(self) -> None:
-        if self.graph is None:
-            self.step()
-        else:
-            self.graph.replay()
 
 
 @torch.no_grad()
@@ -368,6 +406,9 @@ def generate(
     generator: torch.Generator | None = None,
     cuda_graph: bool | None = None,
     repeats: int = 1,
+    row_limits: torch.Tensor | None = None,
+    batching: str = "static",
+    max_slots: int = 512,
     **media: Any,
 ) -> GenerationResult:
     """Sample up to ``max_new_tokens`` per row; ``media`` are the Omni forward's media kwargs.
@@ -382,7 +423,18 @@ def generate(
     ``repeats``: sample that many completions of every prompt row (rows ``i * repeats + j`` of
     the result). The prompt, its media towers included, is prefilled once and its KV cache
     copied to the repeats: a GRPO group costs one prefill, not ``repeats``.
+
+    ``row_limits`` (``[B * repeats]``, each <= ``max_new_tokens``): a row also ends after that
+    many tokens (finish reason ``length``); the benchmarks draw them from a length
+    distribution.
+
+    ``batching``: ``static`` decodes the batch until its last row ends (``StaticDecoder``);
+    ``continuous`` decodes through at most ``max_slots`` slots refilled as rows end and
+    re-packed as they thin (``models.continuous``; its draws are keyed on each row, so a row's
+    tokens do not depend on which rows share its batch).
     """
+    if batching not in ("static", "continuous"):
+        raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1:
@@ -395,6 +447,7 @@ def generate(
         suppress_token_ids = thinker.sideband.banned_ids
     suppress = torch.tensor(sorted(set(suppress_token_ids)), dtype=torch.long, device=device)
     stop = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long, device=device)
+    limits = _row_limits(row_limits, input_ids.shape[0] * repeats, max_new_tokens, device)
     media = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in media.items()}
     sample = {
         "temperature": temperature,
@@ -411,6 +464,24 @@ def generate(
     was_training = thinker.training
     thinker.eval()
     try:
+        if batching == "continuous":
+            from omni_grpo.models.continuous import decode_continuous, prefill_all
+
+            prefilled = prefill_all(thinker, input_ids, attention_mask, **media)
+            with decode_attention(thinker.model.language_model.layers):
+                return decode_continuous(
+                    thinker,
+                    prefilled,
+                    repeats=repeats,
+                    limits=limits,
+                    max_new_tokens=max_new_tokens,
+                    sample=sample,
+                    stop=stop,
+                    pad_token_id=pad_token_id,
+                    cuda_graph=cuda_graph,
+                    max_slots=max_slots,
+                    generator=generator,
+                )
         out = thinker(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -429,8 +500,11 @@ def generate(
         with decode_attention(decoder.layers):
             if cuda_graph and max_new_tokens > 3:
                 steps += decoder.capture()  # eager steps if the step cannot be captured
-            while steps < max_new_tokens:
-                if steps % STOP_CHECK_EVERY == 0 and _all_stopped(decoder.tokens[:, :steps], stop):
+            budget = int(limits.max())
+            while steps < budget:
+                if steps % STOP_CHECK_EVERY == 0 and _all_stopped(
+                    decoder.tokens[:, :steps], stop, limits
+                ):
                     break
                 decoder.replay()
                 steps += 1
@@ -438,25 +512,44 @@ def generate(
         del decoder
     finally:
         thinker.train(was_training)
-    return _finish(tokens, logprobs, stop, max_new_tokens, pad_token_id)
+    return _finish(tokens, logprobs, stop, limits, pad_token_id)
 
 
-def _all_stopped(tokens: torch.Tensor, stop: torch.Tensor) -> bool:
-    return bool(stop.numel()) and bool(torch.isin(tokens, stop).any(-1).all())
+def _row_limits(
+    row_limits: torch.Tensor | None, rows: int, max_new_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """Each row's token budget as a device tensor (``max_new_tokens`` where none is given)."""
+    if row_limits is None:
+        return torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
+    limits = torch.as_tensor(row_limits, dtype=torch.long).to(device)
+    if limits.shape != (rows,):
+        raise ValueError(f"row_limits must hold one limit per row ({rows}), got {limits.shape}")
+    if int(limits.min()) < 1 or int(limits.max()) > max_new_tokens:
+        raise ValueError(f"row_limits must lie in [1, max_new_tokens={max_new_tokens}]")
+    return limits
+
+
+def _all_stopped(tokens: torch.Tensor, stop: torch.Tensor, limits: torch.Tensor) -> bool:
+    ended = limits <= tokens.shape[1]
+    if stop.numel():
+        ended |= torch.isin(tokens, stop).any(-1)
+    return bool(ended.all())
 
 
 def _finish(
     tokens: torch.Tensor,
     logprobs: torch.Tensor,
     stop: torch.Tensor,
-    max_new_tokens: int,
+    limits: torch.Tensor,
     pad_token_id: int,
 ) -> GenerationResult:
-    """Cut every row after its first stop token (kept); pad the rest."""
+    """Cut every row after its first stop token (kept) or at its limit; pad the rest."""
     hit = torch.isin(tokens, stop)
     stopped = hit.any(-1)
     first_stop = torch.where(stopped, hit.int().argmax(-1) + 1, tokens.shape[1])
-    lengths = torch.where(stopped, first_stop, torch.full_like(first_stop, max_new_tokens))
+    stopped &= first_stop <= limits
+    first_stop = torch.minimum(first_stop, limits)
+    lengths = first_stop
     valid = torch.arange(tokens.shape[1], device=tokens.device)[None] < first_stop[:, None]
     tokens = torch.where(valid, tokens, torch.full_like(tokens, pad_token_id))
     logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))

@@ -45,9 +45,17 @@ class EmbeddedEngine:
         version_fn: Any = None,
         banned_token_ids: list[int] | None = None,
         max_batch_rows: int = 512,
+        batching: str = "static",
+        length_plan: Any = None,
     ) -> None:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        if batching not in ("static", "continuous"):
+            raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
+        self.batching = batching
+        # ``length_plan(prompts, n) -> [len(prompts) * n]`` token budgets (benchmarks: drawn
+        # completion lengths standing in for where a trained policy would stop)
+        self.length_plan = length_plan
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
@@ -94,6 +102,8 @@ class EmbeddedEngine:
         of one batch: every sample of the step, up to ``max_batch_rows``), with the GiB it needs."""
         per_batch = max(1, self.max_batch_rows // max(n, 1))
         rows = min(prompts, per_batch) * n
+        if self.batching == "continuous":  # slots follow the free memory: one must fit
+            rows = 1
         check_rollout_fits(self.model, rows, max_new_tokens, self.device, self.autocast_dtype)
 
     def close(self) -> None:
@@ -109,6 +119,8 @@ class EmbeddedEngine:
         self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:
         per_batch = max(1, self.max_batch_rows // max(n, 1))
+        if self.batching == "continuous":  # one call: its slots hold at most max_batch_rows
+            per_batch = len(prompts)
         groups: list[list[Completion]] = []
         for start in range(0, len(prompts), per_batch):
             groups.extend(self._generate_batch(prompts[start : start + per_batch], n, sampling))
@@ -127,6 +139,10 @@ class EmbeddedEngine:
         # its n completions from copies of that KV cache
         mm = collate_mm([p.mm for p in prompts if p.mm])
         stop = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
+        limits = None
+        if self.length_plan is not None:
+            planned = self.length_plan(prompts, n)
+            limits = torch.tensor(planned, dtype=torch.long).clamp(1, sampling.max_new_tokens)
         with self._autocast():
             result = generate(
                 self.model,
@@ -140,6 +156,9 @@ class EmbeddedEngine:
                 suppress_token_ids=self.banned,
                 pad_token_id=self.pad_id,
                 repeats=n,
+                row_limits=limits,
+                batching=self.batching,
+                max_slots=self.max_batch_rows,
                 **mm,
             )
         version = self.version_fn() if self.version_fn is not None else "default"

@@ -1,0 +1,374 @@
+"""Continuous batching: a fixed set of decode slots, refilled as rows end, re-packed as they thin.
+
+Why: the static decoder (``models.generation.StaticDecoder``) decodes one batch until its last
+row stops, and every step computes every row, finished or not. Real GRPO completions are
+long-tailed (most stop early, a few run to the limit), so most of its steps compute rows that
+ended long ago. Here:
+
+- **Slots.** The decode batch is ``slots`` rows, each with its own KV buffer of ``prompt +
+  max_new_tokens`` columns, its own write column, position and token count (``[S]`` device
+  tensors: a step reads nothing back to the host, so on CUDA it stays one replayed graph).
+- **Refill.** Every ``STOP_CHECK_EVERY`` steps the host reads which slots ended, takes their
+  tokens, and gives the slots to rows not started yet: the prompt's prefilled KV (every prompt
+  of the call is prefilled once, towers included) is copied into the slot and its first token
+  drawn from the prompt's last logits. More rows than slots (256 samples, a 4096-token limit)
+  therefore fit on the card: memory follows the slots, not the rows.
+- **Re-pack.** Once no row waits and at most half the slots still run, the live slots move into
+  a batch half as large (a new graph is captured for it): the tail of a long-tailed step runs
+  at the size of its live rows.
+- **Sampling noise keyed on the row.** Each draw's Exp(1) noise is a hash of (the call's seed,
+  the row, the token index, the vocabulary id) (``sample_noise``), not the next numbers of a
+  shared RNG stream, so a row draws the same tokens whichever rows share its batch and whenever
+  it started. The seed is drawn from torch's global RNG, which the run checkpoints.
+
+With ``rollout.exact_logprobs`` the row-invariant kernels make a row's logits independent of
+the other rows too: a row's tokens and logprobs are then bitwise those of the same row decoded
+alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from omni_grpo.models.generation import (
+    STOP_CHECK_EVERY,
+    GenerationResult,
+    GraphStep,
+    KVCacheTooLarge,
+    _layer_tensors,
+    _Slots,
+    free_device_bytes,
+    sample_step,
+)
+
+if TYPE_CHECKING:
+    from omni_grpo.models.thinker import OmniThinker
+
+log = logging.getLogger(__name__)
+
+# Share of the free device memory the slots' KV buffers may take: the rest holds a step's
+# activations, the logits and the sampling temporaries (a few [slots, vocab] fp32 tensors).
+KV_SHARE = 0.85
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (two multiply-xorshift rounds) on int64 values in [0, 2^32)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def sample_noise(seed: int, rows: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` Exp(1) draws, a pure function of (seed, row id, token index, vocab id).
+
+    Odd multiples of 2^-24 as the uniforms: never 0 or 1, exact in fp32.
+    """
+    base = _hash32((rows.long() * 0x9E3779B1 + (seed & _MASK32)) & _MASK32)
+    base = _hash32((base ^ index.long()) & _MASK32)
+    cols = torch.arange(vocab, device=rows.device, dtype=torch.long)
+    bits = _hash32((base[:, None] + cols[None, :] * 0x2545F491) & _MASK32)
+    uniform = ((bits >> 8) | 1).float() * (1.0 / (1 << 24))
+    return -torch.log(uniform)
+
+
+@dataclass
+class Prefilled:
+    """Every prompt of the call after one prefill: the copies a slot is filled from."""
+
+    keys: list[torch.Tensor]  # per layer [P, KVH, Lp, D], left-padded
+    values: list[torch.Tensor]
+    mask: torch.Tensor  # [P, Lp] bool
+    pos0: torch.Tensor  # [P] long: the first decode position (valid tokens + rope delta)
+    start: torch.Tensor  # [P] int32: the first real key column
+    logits: torch.Tensor  # [P, V] fp32: the next-token logits after the prompt
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+
+def slot_bytes(prefilled: Prefilled, max_new_tokens: int) -> int:
+    """K and V bytes of one slot: every layer, ``prompt + max_new_tokens`` columns."""
+    total = prefilled.width + max_new_tokens
+    return sum(2 * k.shape[1] * total * k.shape[3] * k.element_size() for k in prefilled.keys)
+
+
+def plan_slots(
+    prefilled: Prefilled, rows: int, max_new_tokens: int, device: torch.device, cap: int
+) -> int:
+    """How many slots: every row if they fit (and ``cap`` allows), else what the free memory
+    holds. Refuses, before allocating, a call whose single slot cannot fit."""
+    want = max(1, min(rows, cap))
+    if device.type != "cuda":
+        return want
+    per = slot_bytes(prefilled, max_new_tokens)
+    vocab = prefilled.logits.shape[-1]
+    per_row_temps = 8 * 4 * vocab  # logits, probs, noise and their int64 hashes, fp32 / int64
+    free = free_device_bytes(device)
+    fit = int(KV_SHARE * free) // (per + per_row_temps)
+    if fit < 1:
+        raise KVCacheTooLarge(
+            f"one decode slot of {prefilled.width} prompt + {max_new_tokens} new tokens needs "
+            f"{per / 2**30:.2f} GiB of KV cache but {free / 2**30:.2f} GiB are free: lower "
+            "rollout.sampling.max_new_tokens or the prompts' media lengths"
+        )
+    return min(want, fit)
+
+
+class ContinuousDecoder(GraphStep):
+    """``slots`` decode rows over the call's ``rows`` samples (see the module docstring).
+
+    ``row_prompt[r]``: the prompt of sample row ``r``; ``limits[r]``: its token budget. Host
+    state: which row each slot holds (``held``), the next row to start, each row's length.
+    """
+
+    def __init__(
+        self,
+        thinker: OmniThinker,
+        prefilled: Prefilled,
+        row_prompt: torch.Tensor,
+        limits: torch.Tensor,
+        max_new_tokens: int,
+        slots: int,
+        sample: dict[str, Any],
+        seed: int,
+        stop: torch.Tensor,
+    ) -> None:
+        self.bind(thinker)
+        self.pre, self.sample, self.seed, self.stop = prefilled, sample, seed, stop
+        self.row_prompt, self.limits = row_prompt, limits
+        self.max_new = max_new_tokens
+        rows = row_prompt.shape[0]
+        device = prefilled.mask.device
+        # row ``rows`` and column ``max_new`` are scratch: an idle slot's draw lands there
+        self.out_tokens = torch.zeros(rows + 1, max_new_tokens + 1, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(rows + 1, max_new_tokens + 1, device=device)
+        self.lengths = [0] * rows
+        self.next_row = 0
+        self._allocate(slots, device)
+
+    # ----------------------------------------------------------------------------- slot state
+    def _allocate(self, slots: int, device: torch.device) -> None:
+        total = self.pre.width + self.max_new
+        # zeros, not empty: SDPA (the CPU path) weighs masked keys by 0, and 0 * NaN garbage is NaN
+        self.keys = [k.new_zeros(slots, k.shape[1], total, k.shape[3]) for k in self.pre.keys]
+        self.values = [v.new_zeros(slots, v.shape[1], total, v.shape[3]) for v in self.pre.values]
+        long = dict(dtype=torch.long, device=device)
+        self.mask = torch.zeros(slots, total, dtype=torch.bool, device=device)
+        self.start = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.pos0 = torch.zeros(slots, **long)
+        self.fed = torch.zeros(slots, **long)
+        self.column = torch.zeros(slots, **long)  # where the fed token's K/V is written
+        self.count = torch.zeros(slots, **long)  # tokens recorded for the slot's row
+        self.limit = torch.ones(slots, **long)
+        self.row = torch.full((slots,), self.row_prompt.shape[0], **long)
+        self.tok = torch.zeros(slots, **long)
+        self.done = torch.ones(slots, dtype=torch.bool, device=device)
+        self.held: list[int | None] = [None] * slots
+        self.graph = None
+
+    @property
+    def slots(self) -> int:
+        return len(self.held)
+
+    def pending(self) -> int:
+        return self.row_prompt.shape[0] - self.next_row
+
+    def refill(self) -> None:
+        """Give every free slot the next row not started yet (prompt KV copied, first token)."""
+        free = [s for s, r in enumerate(self.held) if r is None]
+        take = min(len(free), self.pending())
+        if not take:
+            return
+        device = self.mask.device
+        slots = torch.tensor(free[:take], device=device)
+        rows = torch.arange(self.next_row, self.next_row + take, device=device)
+        for s, r in zip(free[:take], range(self.next_row, self.next_row + take), strict=True):
+            self.held[s] = r
+        self.next_row += take
+        prompt = self.row_prompt[rows]
+        width = self.pre.width
+        for dst, src in zip(self.keys + self.values, self.pre.keys + self.pre.values, strict=True):
+            dst[slots, :, :width] = src[prompt]
+        self.mask[slots] = False
+        self.mask[slots, :width] = self.pre.mask[prompt]
+        self.start[slots] = self.pre.start[prompt]
+        self.pos0[slots] = self.pre.pos0[prompt]
+        self.fed[slots] = 0
+        self.column[slots] = width
+        self.row[slots] = rows
+        self.limit[slots] = self.limits[rows]
+        zero = torch.zeros_like(rows)
+        tok, lp = self._draw(self.pre.logits[prompt], rows, zero)
+        self.out_tokens[rows, 0] = tok
+        self.out_logprobs[rows, 0] = lp.float()
+        self.tok[slots] = tok
+        self.count[slots] = 1
+        self.done[slots] = torch.isin(tok, self.stop) | (self.limit[slots] <= 1)
+
+    def _draw(
+        self, logits: torch.Tensor, rows: torch.Tensor, index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = None
+        if self.sample["temperature"] > 0:
+            noise = sample_noise(self.seed, rows, index, logits.shape[-1])
+        return sample_step(logits, noise=noise, **self.sample)
+
+    def step(self) -> None:
+        """Feed every slot's last token, draw and record the next (no host syncs)."""
+        slots = torch.arange(self.slots, device=self.mask.device)
+        self.mask[slots, self.column] = True
+        pos = (self.pos0 + self.fed)[:, None].unsqueeze(0).expand(3, -1, -1)
+        cache = _Slots(self.keys, self.values, self.column)
+        logits = self.logits(self.tok, pos, cache, self.mask, self.start)
+        tok, lp = self._draw(logits, self.row, self.count)
+        live = ~self.done
+        dst_row = torch.where(live, self.row, self.row_prompt.shape[0])
+        dst_col = torch.where(live, self.count, self.max_new)
+        self.out_tokens[dst_row, dst_col] = tok
+        self.out_logprobs[dst_row, dst_col] = lp.float()
+        ended = torch.isin(tok, self.stop) | (self.count + 1 >= self.limit)
+        self.done |= ended
+        step = live.long()
+        self.tok.copy_(torch.where(live, tok, self.tok))
+        self.fed += step
+        self.column += step
+        self.count += step
+
+    # ------------------------------------------------------------------------- host bookkeeping
+    def harvest(self) -> int:
+        """Free the slots whose rows ended (their lengths kept); returns the slots still live."""
+        done = self.done.tolist()
+        count = self.count.tolist()
+        live = 0
+        for s, r in enumerate(self.held):
+            if r is None:
+                continue
+            if done[s]:
+                self.lengths[r] = count[s]
+                self.held[s] = None
+            else:
+                live += 1
+        return live
+
+    def repack(self, live: int) -> bool:
+        """Move the live slots into a batch of the next power of two >= ``live`` when that
+        halves it at least; the buffers of the old batch are freed. True when it re-packed."""
+        size = 1 << max(0, math.ceil(math.log2(max(live, 1))))
+        if size > self.slots // 2:
+            return False
+        keep = [s for s, r in enumerate(self.held) if r is not None]
+        device = self.mask.device
+        idx = torch.tensor(keep, device=device)
+        old = {
+            name: getattr(self, name)
+            for name in (
+                "mask",
+                "start",
+                "pos0",
+                "fed",
+                "column",
+                "count",
+                "limit",
+                "row",
+                "tok",
+                "done",
+            )
+        }
+        keys, values, held = self.keys, self.values, [self.held[s] for s in keep]
+        self.keys = self.values = []  # free before allocating the smaller batch
+        self._allocate(size, device)
+        n = len(keep)
+        for dst, src in zip(self.keys + self.values, keys + values, strict=True):
+            dst[:n] = src[idx]
+        del keys, values
+        for name, tensor in old.items():
+            getattr(self, name)[:n] = tensor[idx]
+        self.held[:n] = held
+        return True
+
+
+@torch.no_grad()
+def decode_continuous(
+    thinker: OmniThinker,
+    prefilled: Prefilled,
+    *,
+    repeats: int,
+    limits: torch.Tensor,
+    max_new_tokens: int,
+    sample: dict[str, Any],
+    stop: torch.Tensor,
+    pad_token_id: int,
+    cuda_graph: bool,
+    max_slots: int,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Decode ``repeats`` samples of every prefilled prompt through refilled slots."""
+    device = prefilled.mask.device
+    prompts = prefilled.mask.shape[0]
+    rows = prompts * repeats
+    row_prompt = torch.arange(prompts, device=device).repeat_interleave(repeats)
+    slots = plan_slots(prefilled, rows, max_new_tokens, device, max_slots)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    decoder = ContinuousDecoder(
+        thinker, prefilled, row_prompt, limits, max_new_tokens, slots, sample, seed, stop
+    )
+    decoder.refill()
+    while True:
+        live = decoder.harvest()
+        if decoder.pending():
+            decoder.refill()
+            live = decoder.slots - decoder.held.count(None)
+        elif live and decoder.repack(live):
+            log.debug("re-packed %d live rows into %d slots", live, decoder.slots)
+        if not live:
+            break
+        if cuda_graph and decoder.graph is None:
+            decoder.capture()  # its warm-up steps are real steps
+        for _ in range(STOP_CHECK_EVERY):
+            decoder.replay()
+    lengths = torch.tensor(decoder.lengths, dtype=torch.long)
+    tokens = decoder.out_tokens[:rows, :max_new_tokens].cpu()
+    logprobs = decoder.out_logprobs[:rows, :max_new_tokens].float().cpu()
+    del decoder
+    valid = torch.arange(max_new_tokens)[None] < lengths[:, None]
+    last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+    stopped = torch.isin(last, stop.cpu())
+    return GenerationResult(
+        tokens=torch.where(valid, tokens, torch.full_like(tokens, pad_token_id)),
+        logprobs=torch.where(valid, logprobs, torch.zeros_like(logprobs)),
+        lengths=lengths,
+        finish_reasons=["stop" if bool(s) else "length" for s in stopped],
+    )
+
+
+def prefill_all(
+    thinker: OmniThinker, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: Any
+) -> Prefilled:
+    """One prefill forward over every (left-padded) prompt; its cache kept as the slots' source."""
+    out = thinker(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        logits_to_keep=1,
+        **media,
+    )
+    cache = getattr(out, "cache", None)
+    cache = cache if cache is not None else out.past_key_values
+    layer_kv = _layer_tensors(cache)
+    deltas = thinker.rope_deltas.to(input_ids.device).reshape(-1)
+    valid = attention_mask.long().sum(-1)
+    return Prefilled(
+        keys=[k for k, _ in layer_kv],
+        values=[v for _, v in layer_kv],
+        mask=attention_mask.bool(),
+        pos0=(valid + deltas).long(),  # rope deltas are whole numbers (float in some releases)
+        start=(attention_mask.shape[1] - valid).to(torch.int32),
+        logits=out.logits[:, -1, :].float(),
+    )
