@@ -88,8 +88,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return rollout_world(tmp_path_factory.mktemp("exact_gpu"), n_prompts=3, max_new_tokens=3)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_every_completion_token_is_exact_over_grpo_steps(world: dict[str, Any], lora: bool) -> None:
+def _lengths(prompts: list[Any], n: int) -> list[int]:
+    """Long-tailed budgets for the continuous decoder: most rows short, one to the limit."""
+    return [[2, 5, 24, 9][j % 4] + i for i in range(len(prompts)) for j in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("lora", "batching"), [(False, "static"), (True, "static"), (True, "continuous")]
+)
+def test_every_completion_token_is_exact_over_grpo_steps(
+    world: dict[str, Any], lora: bool, batching: str
+) -> None:
     from omni_grpo.backends.torch_backend import TorchBackend
     from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
     from omni_grpo.exact import enable_exact_logprobs
@@ -114,6 +123,9 @@ def test_every_completion_token_is_exact_over_grpo_steps(world: dict[str, Any], 
         device="cuda",
         autocast_dtype=torch.bfloat16,
         banned_token_ids=media_token_ids(model),
+        batching=batching,
+        max_batch_rows=5,  # continuous: 5 slots for 12 rows, refilled and re-packed
+        length_plan=_lengths if batching == "continuous" else None,
     )
     torch.manual_seed(0)
     for _ in range(3):
@@ -123,3 +135,32 @@ def test_every_completion_token_is_exact_over_grpo_steps(world: dict[str, Any], 
         assert metrics["train_rollout_logprob_exact_fraction"] == 1.0, backend.exact_watch.totals
         assert metrics["train_rollout_logprob_abs_diff"] == 0.0
     assert {m for m, (bad, _) in backend.exact_watch.totals.items() if bad} == set()
+
+
+def test_continuous_rows_are_bitwise_independent_of_their_batch(world: dict[str, Any]) -> None:
+    """Exact kernels + row-keyed draws: a row's tokens and logprobs are the same bits with 12
+    slots (every row at once) and 3 (rows refilled as others end, then re-packed)."""
+    from omni_grpo.exact import enable_exact_logprobs
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+    from omni_grpo.trainer import media_token_ids
+    from omni_grpo.types import SamplingParams
+
+    model = copy.deepcopy(world["base"]).to("cuda", torch.bfloat16)
+    enable_exact_logprobs(model)
+    runs = []
+    for slots in (12, 3):
+        engine = EmbeddedEngine(
+            model,
+            [],
+            device="cuda",
+            autocast_dtype=torch.bfloat16,
+            banned_token_ids=media_token_ids(model),
+            batching="continuous",
+            max_batch_rows=slots,
+            length_plan=_lengths,
+        )
+        torch.manual_seed(3)
+        runs.append(engine.generate(world["prompts"], 4, SamplingParams(max_new_tokens=24)))
+    for a, b in zip(*runs, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
