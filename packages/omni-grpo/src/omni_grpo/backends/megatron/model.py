@@ -386,16 +386,21 @@ def init_parallel(megatron: Any, seed: int = 0, backend: str | None = None) -> N
     """
     ps = mcore().parallel_state
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            from omni_grpo.serve import free_port
-
-            # a one-process world: any port the OS says is free (a fixed one collides with
-            # whatever else holds it on a shared box: EADDRINUSE)
-            port = os.environ.get("MASTER_PORT") or str(free_port("127.0.0.1"))
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            from omni_grpo.serve import free_port
+
+            # A one-process world on a port the OS says is free, passed to this call alone: a
+            # fixed port, or one written to os.environ (inherited by every child process, which
+            # then tried to bind it while this process held it), failed with EADDRINUSE.
+            port = free_port("127.0.0.1")
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+            )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=megatron.tp,
