@@ -420,6 +420,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if device.type == "cuda"
                 else None,
             }
+            print(json.dumps({name: by_engine[name]}), file=sys.stderr, flush=True)
         gen_s = took  # the last engine's rollout is the one trained on
         lengths = [len(c.token_ids) for gr in groups for c in gr]
         rewards = torch.rand(len(groups), args.group)

@@ -170,6 +170,7 @@ class ContinuousDecoder(GraphStep):
         self.row = torch.full((slots,), self.row_prompt.shape[0], **long)
         self.tok = torch.zeros(slots, **long)
         self.done = torch.ones(slots, dtype=torch.bool, device=device)
+        self.ones = torch.ones(slots, dtype=torch.bool, device=device)
         self.held: list[int | None] = [None] * slots
         self.graph = None
 
@@ -223,7 +224,9 @@ class ContinuousDecoder(GraphStep):
     def step(self) -> None:
         """Feed every slot's last token, draw and record the next (no host syncs)."""
         slots = torch.arange(self.slots, device=self.mask.device)
-        self.mask[slots, self.column] = True
+        # a device tensor, not ``= True``: a Python value is copied from the host, which a
+        # CUDA graph cannot capture
+        self.mask.index_put_((slots, self.column), self.ones)
         pos = (self.pos0 + self.fed)[:, None].unsqueeze(0).expand(3, -1, -1)
         cache = _Slots(self.keys, self.values, self.column)
         logits = self.logits(self.tok, pos, cache, self.mask, self.start)
