@@ -46,7 +46,7 @@ def _generate(thinker, batch, limits, **kw):
     media = dict(batch)
     ids, mask = media.pop("input_ids"), media.pop("attention_mask")
     torch.manual_seed(11)
-    args = {"max_new_tokens": 12, "temperature": 0.9, "repeats": 2, "row_limits": limits}
+    args = {"max_new_tokens": 40, "temperature": 0.9, "repeats": 2, "row_limits": limits}
     return generate(thinker, ids, mask, batching="continuous", **args, **kw, **media)
 
 
@@ -58,10 +58,11 @@ def _rows(result):
 
 
 def test_row_is_the_same_whether_it_finishes_first_or_last(thinker, batch):
-    """Row 3 keeps its limit (7); the others end before it in one call and after it in the
-    other, through 2 slots (refill) or one slot per row (re-pack as rows end)."""
-    first = torch.tensor([7, 12, 12, 7, 12, 12])
-    last = torch.tensor([2, 3, 2, 7, 3, 2])
+    """Row 3 keeps its limit (30); the others end after it in one call and before it in the
+    other, through 2 slots (refill), one slot per row (re-packed to 1 once 5 rows ended: a
+    check every 16 steps) or one slot."""
+    first = torch.tensor([30, 40, 40, 30, 40, 40])
+    last = torch.tensor([2, 3, 2, 30, 3, 2])
     runs = [
         _generate(thinker, batch, first, max_slots=2),
         _generate(thinker, batch, last, max_slots=2),
@@ -69,12 +70,12 @@ def test_row_is_the_same_whether_it_finishes_first_or_last(thinker, batch):
         _generate(thinker, batch, first, max_slots=1),
     ]
     ref_tokens, ref_lp, _ = _rows(runs[0])[3]
-    assert len(ref_tokens) == 7
+    assert len(ref_tokens) == 30
     for run in runs[1:]:
         tokens, lp, reason = _rows(run)[3]
         assert tokens == ref_tokens and reason == "length"
         assert (lp - ref_lp).abs().max() <= TOL
-    # rows with the same limit in two calls agree too (row 0: 7 in both of the `first` calls)
+    # rows with the same limit in two calls agree too (row 0: 30 in both of the `first` calls)
     assert _rows(runs[0])[0][0] == _rows(runs[3])[0][0]
     for run, limits in zip(runs, [first, last, last, first], strict=True):
         assert run.lengths.tolist() == limits.tolist()
@@ -110,6 +111,25 @@ def test_continuous_logprobs_match_teacher_forced(thinker, batch):
     assert (lp - result.logprobs)[valid].abs().max() <= TOL
     assert (result.logprobs[~valid] == 0).all()
     assert result.lengths.tolist() == limits.tolist()
+
+
+def test_repack_keeps_every_row(thinker, batch, monkeypatch):
+    """6 slots re-packed to 2 then 1 as rows end: the same rows as through 1 slot throughout."""
+    import omni_grpo.models.continuous as cont
+
+    packs = []
+    real = cont.ContinuousDecoder.repack
+    monkeypatch.setattr(
+        cont.ContinuousDecoder,
+        "repack",
+        lambda self, live: packs.append(live) or real(self, live),
+    )
+    limits = torch.tensor([3, 40, 3, 3, 20, 3])
+    wide = _generate(thinker, batch, limits, max_slots=6)
+    assert any(live <= 2 for live in packs)
+    narrow = _generate(thinker, batch, limits, max_slots=1)
+    assert torch.equal(wide.tokens, narrow.tokens) and wide.lengths.tolist() == limits.tolist()
+    assert (wide.logprobs - narrow.logprobs).abs().max() <= TOL
 
 
 def test_stop_token_ends_a_row_and_is_kept(thinker, batch):

@@ -128,6 +128,22 @@ class ContinuousDecoder(GraphStep):
     state: which row each slot holds (``held``), the next row to start, each row's length.
     """
 
+    # the per-slot device tensors a re-pack moves, and what an idle slot holds
+    STATE = (
+        "mask",
+        "start",
+        "pos0",
+        "fed",
+        "column",
+        "count",
+        "limit",
+        "row",
+        "tok",
+        "done",
+        "ones",
+    )
+    IDLE: dict[str, Any] = {"done": True, "mask": False}
+
     def __init__(
         self,
         thinker: OmniThinker,
@@ -261,39 +277,31 @@ class ContinuousDecoder(GraphStep):
         return live
 
     def repack(self, live: int) -> bool:
-        """Move the live slots into a batch of the next power of two >= ``live`` when that
-        halves it at least; the buffers of the old batch are freed. True when it re-packed."""
+        """Move the live slots to the front and decode only the first ``size`` (the next power
+        of two >= ``live``) when that halves the batch at least. True when it re-packed.
+
+        In place: each buffer's live rows are gathered (a copy of the live rows only, one
+        tensor at a time) into its first rows, and the decoder keeps views of those; nothing
+        the size of the batch is allocated, so the tail of a step never needs more memory than
+        its start (a re-pack into new buffers ran out of memory at 256 rows on one H200).
+        """
         size = 1 << max(0, math.ceil(math.log2(max(live, 1))))
         if size > self.slots // 2:
             return False
         keep = [s for s, r in enumerate(self.held) if r is not None]
-        device = self.mask.device
-        idx = torch.tensor(keep, device=device)
-        old = {
-            name: getattr(self, name)
-            for name in (
-                "mask",
-                "start",
-                "pos0",
-                "fed",
-                "column",
-                "count",
-                "limit",
-                "row",
-                "tok",
-                "done",
-            )
-        }
-        keys, values, held = self.keys, self.values, [self.held[s] for s in keep]
-        self.keys = self.values = []  # free before allocating the smaller batch
-        self._allocate(size, device)
+        idx = torch.tensor(keep, device=self.mask.device)
         n = len(keep)
-        for dst, src in zip(self.keys + self.values, keys + values, strict=True):
-            dst[:n] = src[idx]
-        del keys, values
-        for name, tensor in old.items():
-            getattr(self, name)[:n] = tensor[idx]
-        self.held[:n] = held
+        for buffers in (self.keys, self.values):
+            for i, buf in enumerate(buffers):
+                buf[:n] = buf[idx]
+                buffers[i] = buf[:size]
+        for name in self.STATE:
+            tensor = getattr(self, name)
+            tensor[:n] = tensor[idx]
+            tensor[n:size] = self.IDLE.get(name, tensor[n:size])
+            setattr(self, name, tensor[:size])
+        self.held = [self.held[s] for s in keep] + [None] * (size - n)
+        self.graph = None  # a new graph for the smaller batch
         return True
 
 
