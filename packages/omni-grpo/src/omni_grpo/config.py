@@ -1068,7 +1068,7 @@ def check_paths(cfg: OmniGRPOConfig) -> None:
         problems += _missing_dataset("data.train", data.train)
         problems += _missing_dataset("data.eval", data.eval)
         if data.columns and not problems:  # a renamed column a table lacks: before the model
-            from omni_grpo.data.sources import check_columns
+            from omni_grpo.data.spec import check_columns
 
             found = [check_columns(s, data.columns) for s in (data.train, data.eval) if s]
             problems += list(dict.fromkeys(m for ms in found for m in ms))  # train = eval: once
