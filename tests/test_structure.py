@@ -2,16 +2,18 @@
 
 Rules, and why:
 
-* **Leaves never import omni_grpo.** omni-extract, omni-rope, omni-audio-inject and
-  omni-rollout-client are separate distributions that pip-install and test alone; omni-grpo finds
-  them, never the other way round.
+* **Leaves never import omni_grpo**, not even for type hints. omni-extract, omni-rope,
+  omni-audio-inject and omni-rollout-client are separate distributions that pip-install, test and
+  type-check alone; omni-grpo finds them, never the other way round.
 * **rollout, sync and backends do not import each other.** ``omni_grpo.rollout``,
   ``omni_grpo.sync`` and ``omni_grpo.backends`` meet only in the loop (``trainer.py``) and in the
   shared rooms below them (``types``, ``aio``, ``sglang``, ``data``, ``models``, ``algo``).
 * **No import cycle inside a package.** Imports inside functions count (a lazy import that closes
-  a loop is still a loop: it only moves the failure to run time); imports under
-  ``if TYPE_CHECKING:`` do not (they never run). An edge goes to the module named, not to the
-  packages above it.
+  a loop is still a loop: it only moves the failure to run time), and so do imports under
+  ``if TYPE_CHECKING:``: they never run, but a module typed by another is read through it, so a
+  loop of them leaves no floor to start reading from (``omni_grpo.config`` once reached the data
+  loader, which reached the rewards, which are typed by the config). An edge goes to the module
+  named, not to the packages above it.
 * **No cross-module import of a private name.** ``from m import _name`` is refused unless it is the
   module itself; a private *module* (``_mcore.py``) is private to its package: it may be imported
   from inside the package that holds it (its siblings and their subpackages), never from outside.
@@ -56,12 +58,13 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_imports(tree: ast.AST):  # type: ignore[no-untyped-def]
-    """Import nodes that can run (everything but the body of ``if TYPE_CHECKING:``)."""
+def _runtime_imports(tree: ast.AST, typing: bool = False):  # type: ignore[no-untyped-def]
+    """Import nodes that can run (everything but the body of ``if TYPE_CHECKING:``); with
+    ``typing``, that body's as well."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not typing and isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
         if isinstance(node, ast.Import | ast.ImportFrom):
@@ -79,12 +82,13 @@ def _base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 @functools.cache
-def imports_of(module: str) -> list[tuple[str, str | None, int]]:
-    """``(imported module, imported name or None, line)`` for each runtime import of ``module``."""
+def imports_of(module: str, typing: bool = False) -> list[tuple[str, str | None, int]]:
+    """``(imported module, imported name or None, line)`` for each runtime import of ``module``
+    (with ``typing``, each import under ``if TYPE_CHECKING:`` too)."""
     path, is_package = MODULES[module]
     tree = ast.parse(path.read_text(), filename=str(path))
     out: list[tuple[str, str | None, int]] = []
-    for node in _runtime_imports(tree):
+    for node in _runtime_imports(tree, typing):
         if isinstance(node, ast.Import):
             out += [(alias.name, None, node.lineno) for alias in node.names]
             continue
@@ -122,7 +126,7 @@ def test_no_leaf_imports_omni_grpo() -> None:
         f"{_where(m, line)}: {m} imports {target}"
         for m in MODULES
         if m.split(".")[0] in LEAVES
-        for target, _, line in imports_of(m)
+        for target, _, line in imports_of(m, typing=True)
         if _within(target, "omni_grpo")
     ]
     assert not bad, "\n".join(bad)
@@ -186,15 +190,22 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycle_inside_any_package() -> None:
+def _graph_within_packages() -> tuple[dict[str, set[str]], dict[tuple[str, str], int]]:
+    """Module -> the modules of its own package it imports (type-only imports too), and the
+    line of each edge's first import."""
     graph: dict[str, set[str]] = defaultdict(set)
     lines: dict[tuple[str, str], int] = {}
     for m in MODULES:
         graph[m]
-        for target, _, line in imports_of(m):
+        for target, _, line in imports_of(m, typing=True):
             if target in MODULES and target != m and target.split(".")[0] == m.split(".")[0]:
                 graph[m].add(target)
                 lines.setdefault((m, target), line)
+    return graph, lines
+
+
+def test_no_import_cycle_inside_any_package() -> None:
+    graph, lines = _graph_within_packages()
     report = []
     for cycle in _cycles(graph):
         members = set(cycle)

@@ -40,6 +40,14 @@ ST_TO_TORCH: dict[str, torch.dtype] = {
 TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
 
 
+def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a dense tensor of ``dtype`` and ``shape``: what safetensors' data offsets count."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class SourceTensor:
     """Where one hub tensor lives and what its header says."""
@@ -53,10 +61,7 @@ class SourceTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return tensor_nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 from omni_extract.errors import CorruptShardError, TensorMismatchError
 from omni_extract.kernels import pread_into
 from omni_extract.names import ExpertPart, match
-from omni_extract.source import ST_TO_TORCH
+from omni_extract.source import ST_TO_TORCH, tensor_nbytes
 
 # How fused experts are laid out in a trained file (the square-shape trap makes it undetectable
 # from shapes alone, so the caller must say): transformers' in-memory layout, or Qwen3-VL's hub.
@@ -47,7 +47,7 @@ class FileRange:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return tensor_nbytes(self.dtype, self.shape)
 
     def read(self) -> torch.Tensor:
         fd = os.open(self.path, os.O_RDONLY)

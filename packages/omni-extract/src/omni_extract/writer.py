@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omni_extract.source import TORCH_TO_ST
+from omni_extract.source import TORCH_TO_ST, tensor_nbytes
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return tensor_nbytes(self.dtype, self.shape)
 
 
 def _header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> bytes:

@@ -26,9 +26,9 @@ from typing import Any
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
-    "ConfigError": "omni_grpo.config",
-    "OmniGRPOConfig": "omni_grpo.config",
-    "load_config": "omni_grpo.config",
+    "ConfigError": "omni_grpo.config.errors",
+    "OmniGRPOConfig": "omni_grpo.config.root",
+    "load_config": "omni_grpo.config.load",
     "TrainResult": "omni_grpo.trainer",
     "train": "omni_grpo.trainer",
     "Completion": "omni_grpo.types",

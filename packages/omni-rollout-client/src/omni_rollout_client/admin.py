@@ -143,12 +143,11 @@ def admin_failure(reply: AdminReply) -> ContractError:
             detail=reply.body,
             active_request_ids=ids,
         )
+    # what the stages that say so report of the engine's pause after the failure
+    paused = [
+        r.data.get("engine_paused") for r in reply.stages if r.data.get("engine_paused") is not None
+    ]
     if route in PAUSED_ON_FAILURE_ROUTES:
-        paused = [
-            r.data.get("engine_paused")
-            for r in reply.stages
-            if r.data.get("engine_paused") is not None
-        ]
         return EnginePausedError(
             f"{route} failed ({_summary(reply)}); sglang-omni leaves the engine PAUSED after a failed distributed update: call continue_generation() once the weights are consistent.",
             route=route,
@@ -157,11 +156,6 @@ def admin_failure(reply: AdminReply) -> ContractError:
             engine_paused=any(paused) if paused else True,
         )
     if route in UPDATE_ROUTES:
-        paused = [
-            r.data.get("engine_paused")
-            for r in reply.stages
-            if r.data.get("engine_paused") is not None
-        ]
         return WeightUpdateError(
             f"{route} failed: {_summary(reply)}",
             route=route,

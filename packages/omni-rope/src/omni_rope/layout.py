@@ -27,22 +27,27 @@ def _grid(grid_thw: Sequence[int] | torch.Tensor, merge: int, what: str) -> tupl
     return t, h // merge, w // merge
 
 
+def _vision_segment_ids(
+    config: OmniRopeConfig, grid_thw: Sequence[int] | torch.Tensor, pad_id: int, what: str
+) -> torch.Tensor:
+    """``<vision_start> <pad> x t*h*w/m^2 <vision_end>``: images and videos differ only in pad."""
+    t, hp, wp = _grid(grid_thw, config.spatial_merge_size, what)
+    body = torch.full((t * hp * wp,), pad_id, dtype=torch.long)
+    return _wrap(body, [config.vision_start_token_id], [config.vision_end_token_id])
+
+
 def image_segment_ids(
     config: OmniRopeConfig, grid_thw: Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
     """``<vision_start> <image_pad> x t*h*w/m^2 <vision_end>`` for one image grid."""
-    t, hp, wp = _grid(grid_thw, config.spatial_merge_size, "image")
-    body = torch.full((t * hp * wp,), config.image_token_id, dtype=torch.long)
-    return _wrap(body, [config.vision_start_token_id], [config.vision_end_token_id])
+    return _vision_segment_ids(config, grid_thw, config.image_token_id, "image")
 
 
 def video_segment_ids(
     config: OmniRopeConfig, grid_thw: Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
     """``<vision_start> <video_pad> x t*h*w/m^2 <vision_end>`` for one video grid (no audio)."""
-    t, hp, wp = _grid(grid_thw, config.spatial_merge_size, "video")
-    body = torch.full((t * hp * wp,), config.video_token_id, dtype=torch.long)
-    return _wrap(body, [config.vision_start_token_id], [config.vision_end_token_id])
+    return _vision_segment_ids(config, grid_thw, config.video_token_id, "video")
 
 
 def audio_segment_ids(config: OmniRopeConfig, n_mel_frames: int) -> torch.Tensor:

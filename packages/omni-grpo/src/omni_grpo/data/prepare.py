@@ -561,7 +561,7 @@ def parquet_command(src: tuple[str, ...], out: str, root: str | None) -> None:
     from omni_grpo.data.tables import write_embedded_parquet
 
     spec = list(src)
-    from omni_grpo.data.sources import expand_spec
+    from omni_grpo.data.spec import expand_spec
 
     refuse_output_over_input(out, expand_spec(spec), output_name="OUT", input_name="SRC")
     try:

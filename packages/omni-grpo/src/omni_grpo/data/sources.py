@@ -29,19 +29,19 @@ same group's embedded media found unreadable only when a row is drawn is that ro
 ``save_to_disk`` directory is read by its own schema (a shard written with other columns is named
 once; its rows are validated like any other). A ``data.columns`` entry whose source column a file
 does not have is an error naming the field and the file: ignoring it would silently drop the
-table's own column of that name.
+table's own column of that name. What a spec names and the columns its tables carry (read from
+headers alone, for the config's pre-flight check as well) are ``omni_grpo.data.spec``'s.
 """
 
 from __future__ import annotations
 
 import bisect
-import glob as globlib
 import json
 import logging
 import mmap
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,20 +55,24 @@ from omni_grpo.data.schema import (
     DatasetRow,
     parse_row,
 )
+from omni_grpo.data.spec import (
+    PARQUET_MAGIC,
+    Spec,
+    arrow_files,
+    expand_spec,
+    missing_column_error,
+)
 from omni_grpo.types import Sample
 
 log = logging.getLogger(__name__)
 
 BOM = b"\xef\xbb\xbf"
 LOGGED_PER_FILE = 5  # skipped rows logged one by one per file; the rest go into the summary line
-PARQUET_MAGIC = b"PAR1"
 # Bytes of (row group, media column) reads a parquet source keeps (the newest one always): parquet
 # reads a column chunk whole, so a sequential pass reads each group once, and a shuffled one
 # re-reads groups it has evicted. Write tables with small row groups (``tables.py`` bounds them).
 ROW_GROUP_CACHE_BYTES = 64 << 20
 OPEN_SOURCES = 8  # parquet files kept open (with their cache) while fetching media
-
-Spec = str | os.PathLike[str] | list[str | os.PathLike[str]] | list[Path]
 
 
 @dataclass
@@ -140,16 +144,6 @@ def _one_line(err: BaseException) -> str:
     """An exception's message on one line (pyarrow's span several)."""
     text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
     return text or type(err).__name__
-
-
-def missing_column_error(where: Path, fld: str, column: str, have: Iterable[str]) -> DataError:
-    """``data.columns`` maps ``fld`` onto ``column`` but ``where`` has no such column."""
-    names = ", ".join(sorted(have)) or "none"
-    return DataError(
-        f"{where}: data.columns.{fld} names the column {column!r}, which it does not have "
-        f"(its columns: {names}); fix the mapping or remove data.columns.{fld}",
-        "config",
-    )
 
 
 class JsonlSource:
@@ -450,7 +444,7 @@ class ArrowDirSource(_TableSource):
 
     def __init__(self, path: Path) -> None:
         self.path, self.name = path, path.stem if path.is_file() else path.name
-        files = [path] if path.is_file() else self._dir_files(path)
+        files = [path] if path.is_file() else arrow_files(path)
         self.files = files
         self.tables = []
         self.maps: list[mmap.mmap] = []
@@ -462,25 +456,6 @@ class ArrowDirSource(_TableSource):
         self.starts = [0]
         for t in self.tables:
             self.starts.append(self.starts[-1] + t.num_rows)
-
-    @staticmethod
-    def _dir_files(path: Path) -> list[Path]:
-        if (path / "dataset_dict.json").is_file():
-            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-            raise DataError(
-                f"{path} is a DatasetDict with splits {splits}; point data.train / data.eval "
-                f"at one split's directory (e.g. {path / (splits[0] if splits else 'train')})"
-            )
-        state = path / "state.json"
-        files = sorted(path.glob("*.arrow"))
-        if state.is_file():
-            try:
-                files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
-            except (ValueError, KeyError, TypeError) as err:
-                raise DataError(f"{state}: not a datasets state.json ({err!r})") from None
-        if not files:
-            raise DataError(f"{path}: a directory without state.json or *.arrow files")
-        return files
 
     def records(self, columns: dict[str, str]) -> Iterator[RawRecord]:
         """Every shard by its own schema: ``datasets`` writes one schema for all of them, but a
@@ -516,24 +491,6 @@ class ArrowDirSource(_TableSource):
 
 
 # --------------------------------------------------------------------------------------- opening
-def expand_spec(spec: Spec) -> list[Path]:
-    """The files / dirs a ``data.train`` value names (globs expanded, sorted), in order."""
-    items = spec if isinstance(spec, list) else [spec]
-    out: list[Path] = []
-    for it in items:
-        s = os.fspath(it)
-        if globlib.has_magic(s):
-            hits = sorted(globlib.glob(s))
-            if not hits:
-                raise DataError(f"no dataset file matches {s}")
-            out.extend(Path(h) for h in hits)
-        else:
-            out.append(Path(s))
-    if not out:
-        raise DataError("no dataset file given (an empty list)")
-    return out
-
-
 def open_source(path: Path) -> JsonlSource | ParquetSource | ArrowDirSource:
     """The reader for one path: a directory is a ``save_to_disk`` dataset, ``.parquet`` (or a file
     starting with parquet's magic) is parquet, ``.arrow`` / ``.feather`` one Arrow file (e.g. a
@@ -554,50 +511,6 @@ def open_source(path: Path) -> JsonlSource | ParquetSource | ArrowDirSource:
     if path.suffix.lower() == ".json" and head.removeprefix(BOM[:3]).lstrip()[:1] == b"[":
         return JsonListSource(path)
     return JsonlSource(path)
-
-
-def table_schemas(path: Path) -> list[tuple[Path, Any]]:
-    """(file, Arrow schema) of each table a dataset path holds, read from headers and footers
-    only; a jsonl / json file, or one that cannot be read (the loader names it), gives none."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        if path.is_dir():
-            files = ArrowDirSource._dir_files(path)
-        elif path.suffix.lower() in (".arrow", ".feather"):
-            files = [path]
-        else:
-            with path.open("rb") as f:
-                parquet = path.suffix.lower() in (".parquet", ".pq") or f.read(4) == PARQUET_MAGIC
-            return [(path, pq.read_schema(str(path)))] if parquet else []
-        out = []
-        for f in files:
-            try:
-                schema = pa.ipc.open_stream(str(f)).schema
-            except pa.ArrowInvalid:
-                schema = pa.ipc.open_file(str(f)).schema
-            out.append((f, schema))
-        return out
-    except Exception:  # noqa: BLE001 - unreadable: load_rows reports it in its own words
-        return []
-
-
-def check_columns(spec: Spec, columns: dict[str, str]) -> list[str]:
-    """Every ``data.columns`` entry whose source column a table of ``spec`` lacks, one message
-    each (before a run starts: the loader would refuse the same later, after the model is made)."""
-    renamed = {fld: col for fld, col in columns.items() if col != fld}
-    if not renamed:
-        return []
-    problems = []
-    for path in expand_spec(spec):
-        for where, schema in table_schemas(path):
-            problems += [
-                str(missing_column_error(where, fld, col, schema.names))
-                for fld, col in renamed.items()
-                if col not in schema.names
-            ]
-    return problems
 
 
 # ---------------------------------------------------------------------------------- normalising

@@ -33,6 +33,25 @@ def _moving_mean(values: list[float], window: int) -> list[float]:
     ]
 
 
+def _label_fraction_axes(ax: Any, ylabel: str, title: str) -> None:
+    """Steps against a value in [0, 1] (reward, accuracy), on one scale so plots compare."""
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    """Write ``fig`` to ``path`` and close it (pyplot keeps every open figure alive)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _plot_health(records: list[dict[str, Any]], path: Path) -> bool:
     """Per-modality entropy and zero-variance fraction, the two signs of a collapsing modality."""
     import matplotlib.pyplot as plt
@@ -52,9 +71,7 @@ def _plot_health(records: list[dict[str, Any]], path: Path) -> bool:
         if keys:
             ax.legend(loc="upper right")
     axes[-1].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -80,15 +97,8 @@ def plot_run(run_dir: str | os.PathLike[str]) -> list[Path]:
         window = max(1, len(reward) // 20)
         smooth = _moving_mean(reward, window)
         ax.plot(steps, smooth, lw=2, label=f"moving mean ({window})")
-        ax.set_xlabel("step")
-        ax.set_ylabel("reward")
-        ax.set_ylim(-0.05, 1.05)
-        ax.legend(loc="lower right")
-        ax.set_title("training reward")
-        fig.tight_layout()
-        fig.savefig(out_dir / "reward.png", dpi=100)
-        plt.close(fig)
-        written.append(out_dir / "reward.png")
+        _label_fraction_axes(ax, "reward", "training reward")
+        written.append(_save(fig, out_dir / "reward.png"))
 
     keys = sorted({k for r in records for k in r if k.startswith(ACCURACY_PREFIX)})
     if keys:
@@ -97,15 +107,8 @@ def plot_run(run_dir: str | os.PathLike[str]) -> list[Path]:
             s, v = _series(records, key)
             ax.plot(s, v, marker="o", label=key[len(ACCURACY_PREFIX) :])
         ax.axhline(0.9, color="grey", ls="--", lw=1)
-        ax.set_xlabel("step")
-        ax.set_ylabel("held-out accuracy")
-        ax.set_ylim(-0.05, 1.05)
-        ax.legend(loc="lower right")
-        ax.set_title("held-out accuracy per modality")
-        fig.tight_layout()
-        fig.savefig(out_dir / "accuracy.png", dpi=100)
-        plt.close(fig)
-        written.append(out_dir / "accuracy.png")
+        _label_fraction_axes(ax, "held-out accuracy", "held-out accuracy per modality")
+        written.append(_save(fig, out_dir / "accuracy.png"))
     if _plot_health(records, out_dir / "health.png"):
         written.append(out_dir / "health.png")
     return written

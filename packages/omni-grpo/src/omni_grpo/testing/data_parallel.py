@@ -10,7 +10,6 @@ with ``torch.distributed`` initialised from the usual env (``MASTER_ADDR`` / ``M
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,11 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from omni_grpo.serve import free_port
 
 
 def _entry(

@@ -186,6 +186,18 @@ SP = {"max_new_tokens": 8, "temperature": 1.0}
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 
 
+async def sampling_refused(s: ServerUnderTest, bad: dict[str, Any], match: str) -> httpx.Response:
+    """The client refuses ``SP`` with ``bad`` before sending (a ``ClientValidationError`` naming
+    ``match``); the server's own answer to the same request sent raw, for the case to check.
+    Refusing locally is the point: some of these the server answers with a 500, which a client
+    that sent them would retry forever."""
+    sampling = {**SP, **bad}
+    async with client(s) as c, expect(ClientValidationError, match):
+        await c.generate([1], sampling)
+    async with raw(s) as http:
+        return await http.post("/generate", json={"input_ids": [1], "sampling_params": sampling})
+
+
 # ===================================================================== /generate: the response
 
 
@@ -319,23 +331,13 @@ async def _(s: ServerUnderTest) -> None:
 
 @case("sampling: an unknown key is refused locally (server: 422 extra_forbidden)")
 async def _(s: ServerUnderTest) -> None:
-    async with client(s) as c, expect(ClientValidationError, "ignore_eos"):
-        await c.generate([1], {**SP, "ignore_eos": True})
-    async with raw(s) as http:
-        r = await http.post(
-            "/generate", json={"input_ids": [1], "sampling_params": {**SP, "ignore_eos": True}}
-        )
+    r = await sampling_refused(s, {"ignore_eos": True}, "ignore_eos")
     check(r.status_code == 422 and r.json()["detail"][0]["type"] == "extra_forbidden", r.text[:200])
 
 
 @case("sampling: top_k 0 refused locally (server: 500, retried forever by a naive client)")
 async def _(s: ServerUnderTest) -> None:
-    async with client(s) as c, expect(ClientValidationError, "top_k"):
-        await c.generate([1], {**SP, "top_k": 0})
-    async with raw(s) as http:
-        r = await http.post(
-            "/generate", json={"input_ids": [1], "sampling_params": {**SP, "top_k": 0}}
-        )
+    r = await sampling_refused(s, {"top_k": 0}, "top_k")
     check(r.status_code == 500, f"{r.status_code}")
 
 
@@ -352,24 +354,13 @@ async def _(s: ServerUnderTest) -> None:
 
 @case("sampling: more than 32 stop strings refused locally (server: 400)")
 async def _(s: ServerUnderTest) -> None:
-    stops = [f"s{i}" for i in range(33)]
-    async with client(s) as c, expect(ClientValidationError, "at most 32"):
-        await c.generate([1], {**SP, "stop": stops})
-    async with raw(s) as http:
-        r = await http.post(
-            "/generate", json={"input_ids": [1], "sampling_params": {**SP, "stop": stops}}
-        )
+    r = await sampling_refused(s, {"stop": [f"s{i}" for i in range(33)]}, "at most 32")
     check(r.status_code == 400, f"{r.status_code} {r.text[:120]}")
 
 
 @case("sampling: stop that is not str/list refused locally (server: 422)")
 async def _(s: ServerUnderTest) -> None:
-    async with client(s) as c, expect(ClientValidationError, "stop"):
-        await c.generate([1], {**SP, "stop": 12})
-    async with raw(s) as http:
-        r = await http.post(
-            "/generate", json={"input_ids": [1], "sampling_params": {**SP, "stop": 12}}
-        )
+    r = await sampling_refused(s, {"stop": 12}, "stop")
     check(r.status_code == 422, f"{r.status_code}")
 
 
@@ -491,6 +482,16 @@ async def _(s: ServerUnderTest) -> None:
 # ============================================================ /generate: multimodal payloads
 
 
+async def post_bundle(s: ServerUnderTest, bundle: dict[str, Any]) -> httpx.Response:
+    """``bundle`` sent raw as a request's ``multimodal_train_inputs``: what the server makes of a
+    bundle the client would never send."""
+    async with raw(s) as http:
+        return await http.post(
+            "/generate",
+            json={"input_ids": [1], "sampling_params": SP, "multimodal_train_inputs": bundle},
+        )
+
+
 def _image(rng: np.random.Generator) -> dict[str, Any]:
     grid = np.array([[1, 4, 4]], dtype=np.int64)
     return {
@@ -566,11 +567,7 @@ async def _(s: ServerUnderTest) -> None:
         "version": 1,
         "tensors": {"foo": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}},
     }
-    async with raw(s) as http:
-        r = await http.post(
-            "/generate",
-            json={"input_ids": [1], "sampling_params": SP, "multimodal_train_inputs": bundle},
-        )
+    r = await post_bundle(s, bundle)
     check(
         r.status_code == 400 and "unknown multimodal_train_inputs tensors" in r.text, r.text[:200]
     )
@@ -590,11 +587,7 @@ async def _(s: ServerUnderTest) -> None:
             }
         },
     }
-    async with raw(s) as http:
-        r = await http.post(
-            "/generate",
-            json={"input_ids": [1], "sampling_params": SP, "multimodal_train_inputs": bundle},
-        )
+    r = await post_bundle(s, bundle)
     check(r.status_code == 400, f"{r.status_code} {r.text[:160]}")
 
 
@@ -624,11 +617,7 @@ async def _(s: ServerUnderTest) -> None:
             "feature_attention_mask": {"dtype": "int64", "shape": [1], "data": "AQAAAAAAAAA="},
         },
     }
-    async with raw(s) as http:
-        r = await http.post(
-            "/generate",
-            json={"input_ids": [1], "sampling_params": SP, "multimodal_train_inputs": bundle},
-        )
+    r = await post_bundle(s, bundle)
     check(r.status_code == 500, f"{r.status_code} {r.text[:160]}")
 
 
@@ -642,16 +631,7 @@ async def _(s: ServerUnderTest) -> None:
         "version": 2,
         "tensors": {"pixel_values": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}},
     }
-    async with raw(s) as http:
-        codes = [
-            (
-                await http.post(
-                    "/generate",
-                    json={"input_ids": [1], "sampling_params": SP, "multimodal_train_inputs": b},
-                )
-            ).status_code
-            for b in (short, v2)
-        ]
+    codes = [(await post_bundle(s, b)).status_code for b in (short, v2)]
     check(codes == [422, 422], f"{codes}")
 
 

@@ -8,7 +8,6 @@ one live worker is refused with 422 (each worker needs its own rank offset).
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import json
 from typing import Any
@@ -19,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .admin_key import admin_key_refusal
 from .serving import BackgroundServer
 
 ADMIN_ROUTES = (
@@ -80,18 +80,11 @@ class FakeRouterApp:
         return self.http
 
     def _auth_error(self, request: Request) -> Response | None:
-        if not self._key:
+        refusal = admin_key_refusal(request.headers.get("authorization"), self._key)
+        if refusal is None:
             return None
-        parts = (request.headers.get("authorization") or "").split(None, 1)
-        if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1]:
-            return JSONResponse(
-                {"detail": "Admin API key required: Authorization: Bearer <key>"},
-                status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(parts[1].encode(), self._key.encode()):
-            return JSONResponse({"detail": "Invalid admin API key"}, status_code=403)
-        return None
+        status, detail, headers = refusal
+        return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
     def _summary(self, status: str) -> dict[str, Any]:
         routable = sum(w["routable"] for w in self.workers)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import hmac
 import json
 import math
 import threading
@@ -30,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..payload import MM_TENSOR_NAMES
 from . import contract as C
+from .admin_key import admin_key_refusal
 from .faults import Faults
 from .generator import FakeRequest, Generator, make_hash_generator
 from .loader_names import check_disk_checkpoint
@@ -88,6 +88,17 @@ DEFAULT_ADMIN_TIMEOUT_S: dict[str, float] = {
 }
 
 
+# The admin routes whose body is one request model, each at ``/<action>``.
+ADMIN_ACTIONS: dict[str, type[BaseModel]] = {
+    "pause_generation": C.PauseModel,
+    "continue_generation": C.ContinueModel,
+    "update_weights_from_disk": C.DiskUpdateModel,
+    "update_weights_from_distributed": C.DistributedUpdateModel,
+    "init_weights_update_group": C.InitGroupModel,
+    "destroy_weights_update_group": C.DestroyGroupModel,
+}
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, detail: Any, headers: dict[str, str] | None = None):
         self.status, self.detail, self.headers = status, detail, headers
@@ -136,6 +147,126 @@ class GenerationRecord:
     finish_reason: str = ""
     weight_version: str | None = None
     outcome: str = "running"  # ok | aborted | dropped | error
+
+
+# 0.1.9's answer to a request for logprobs it cannot produce (rollout logprobs, audio output).
+NO_LOGPROBS = (
+    "backend did not return requested logprobs; expected output_token_logprobs for text or "
+    "meta_info.omni_rollout for audio (set return_omni_rollout=true for audio logprobs)"
+)
+
+
+def _refuse_unsupported(req: C.GenerateRequestModel) -> None:
+    """What the server refuses before any stage sees the request: not exactly one input,
+    streaming, and logprobs it cannot produce."""
+    if sum(v is not None for v in (req.input_ids, req.prompt, req.messages)) != 1:
+        raise HTTPError(400, "exactly one of input_ids, prompt, or messages is required")
+    if req.stream:
+        raise HTTPError(400, "stream=true is not supported by /generate yet")
+    if req.return_omni_rollout:
+        raise HTTPError(501, NO_LOGPROBS)
+    if req.output_modalities and "audio" in req.output_modalities and req.return_logprob:
+        raise HTTPError(501, NO_LOGPROBS)
+
+
+def _decode_bundle(
+    req: C.GenerateRequestModel,
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, list[int], str]]]:
+    """The request's ``multimodal_train_inputs`` as arrays, and each tensor's (dtype, shape,
+    sha256) for tests to compare with what the client encoded; empty without a bundle."""
+    tensors: dict[str, np.ndarray] = {}
+    digests: dict[str, tuple[str, list[int], str]] = {}
+    if req.multimodal_train_inputs is None:
+        return tensors, digests
+    if req.input_ids is None:
+        raise HTTPError(
+            400,
+            "multimodal_train_inputs requires prompt_token_ids (the processor-expanded input_ids)",
+        )
+    unknown = set(req.multimodal_train_inputs.tensors) - MM_NAMES
+    if unknown:
+        raise HTTPError(
+            400, "unknown multimodal_train_inputs tensors: " + ", ".join(sorted(unknown))
+        )
+    for name, spec in sorted(req.multimodal_train_inputs.tensors.items()):
+        raw = base64.b64decode(spec.data)
+        if math.prod(spec.shape) == 0:  # torch.frombuffer of an empty buffer
+            raise HTTPError(500, "both buffer length (0) and count (-1) must not be 0")
+        tensors[name] = np.frombuffer(raw, dtype=NUMPY_OF_WIRE[spec.dtype]).reshape(spec.shape)
+        digests[name] = (spec.dtype, list(spec.shape), hashlib.sha256(raw).hexdigest())
+    return tensors, digests
+
+
+def _check_bundle_metadata(tensors: dict[str, np.ndarray]) -> None:
+    """Grids without pixels and audio lengths without features are the caller's 400; a 1-D
+    ``feature_attention_mask`` fails inside the audio tower (a 500 with torch's message)."""
+    if not tensors:
+        return
+    has_image = "pixel_values" in tensors or "pixel_values_videos" in tensors
+    has_audio = "input_features" in tensors
+    for meta, kind in META_PAYLOAD.items():
+        if meta in tensors and kind == "image" and not has_image:
+            raise HTTPError(
+                400,
+                "multimodal_train_inputs provides image/video metadata without pixel_values or pixel_values_videos",
+            )
+        if meta in tensors and kind == "audio" and not has_audio:
+            raise HTTPError(
+                400,
+                "multimodal_train_inputs provides audio metadata without input_features",
+            )
+    if "feature_attention_mask" in tensors and tensors["feature_attention_mask"].ndim != 2:
+        raise HTTPError(
+            500, "Dimension out of range (expected to be in range of [-1, 0], but got 1)"
+        )
+
+
+def _check_sampling(sp: C.SamplingParamsModel, stop: list[str], temperature: float) -> None:
+    """sglang's ``SamplingParams`` checks, with the status each reaches the caller with."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise HTTPError(
+            400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}"
+        )
+    if temperature > 0 and sp.top_k is not None and (sp.top_k == 0 or sp.top_k < -1):
+        raise HTTPError(500, f"top_k must be -1 (disable) or at least 1, got {sp.top_k}.")
+    if sp.repetition_penalty is not None and sp.repetition_penalty > 2:
+        raise HTTPError(
+            500,
+            "repetition_penalty must be in (0, 2] (1.0 = no penalty), "
+            f"got {float(sp.repetition_penalty)}.",
+        )
+
+
+def _generate_reply(
+    req: C.GenerateRequestModel,
+    prompt_tokens: int,
+    tokens: list[int],
+    logprobs: list[float],
+    finish: str,
+    record: GenerationRecord,
+    eos_token_id: int,
+) -> dict[str, Any]:
+    """The /generate body 0.1.9 answers with: text without EOS, ``meta_info`` with the finish
+    reason, token counts, weight version and (when asked) ``[logprob, token]`` pairs."""
+    return {
+        "text": " ".join(f"<{t}>" for t in tokens if t != eos_token_id),
+        "audio": None,
+        "meta_info": {
+            "finish_reason": {
+                "type": finish,
+                "length": len(tokens) if finish == "length" else None,
+            },
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "weight_version": record.weight_version,
+            "request_metadata": req.metadata,
+            "output_token_logprobs": [[lp, t] for lp, t in zip(logprobs, tokens, strict=True)]
+            if req.return_logprob
+            else None,
+            "omni_rollout": None,
+        },
+    }
 
 
 class FakeEngine:
@@ -238,35 +369,9 @@ class FakeWorkerApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/generate", self.generate, methods=["POST"]),
             Route("/model_info", self.model_info, methods=["GET", "POST"]),
-            Route(
-                "/pause_generation",
-                self.admin_route("pause_generation", C.PauseModel),
-                methods=["POST"],
-            ),
-            Route(
-                "/continue_generation",
-                self.admin_route("continue_generation", C.ContinueModel),
-                methods=["POST"],
-            ),
-            Route(
-                "/update_weights_from_disk",
-                self.admin_route("update_weights_from_disk", C.DiskUpdateModel),
-                methods=["POST"],
-            ),
-            Route(
-                "/update_weights_from_distributed",
-                self.admin_route("update_weights_from_distributed", C.DistributedUpdateModel),
-                methods=["POST"],
-            ),
-            Route(
-                "/init_weights_update_group",
-                self.admin_route("init_weights_update_group", C.InitGroupModel),
-                methods=["POST"],
-            ),
-            Route(
-                "/destroy_weights_update_group",
-                self.admin_route("destroy_weights_update_group", C.DestroyGroupModel),
-                methods=["POST"],
+            *(
+                Route(f"/{action}", self.admin_route(action, model), methods=["POST"])
+                for action, model in ADMIN_ACTIONS.items()
             ),
             Route("/weights_checker", self.weights_checker, methods=["GET", "POST"]),
             Route("/update_weights_from_tensor", self.update_from_tensor, methods=["POST"]),
@@ -293,18 +398,9 @@ class FakeWorkerApp:
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
     def _check_auth(self, request: Request) -> None:
-        if not self._admin_key:
-            return
-        header = request.headers.get("authorization") or ""
-        parts = header.split(None, 1)
-        if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1]:
-            raise HTTPError(
-                401,
-                "Admin API key required: Authorization: Bearer <key>",
-                {"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(parts[1].encode(), self._admin_key.encode()):
-            raise HTTPError(403, "Invalid admin API key")
+        refusal = admin_key_refusal(request.headers.get("authorization"), self._admin_key)
+        if refusal is not None:
+            raise HTTPError(*refusal)
 
     @staticmethod
     async def _json(request: Request) -> Any:
@@ -386,78 +482,56 @@ class FakeWorkerApp:
             req = C.GenerateRequestModel.model_validate(body)
         except ValidationError as exc:
             return _validation_422(exc)
-        if sum(v is not None for v in (req.input_ids, req.prompt, req.messages)) != 1:
-            raise HTTPError(400, "exactly one of input_ids, prompt, or messages is required")
-        if req.stream:
-            raise HTTPError(400, "stream=true is not supported by /generate yet")
-        if req.return_omni_rollout:
-            raise HTTPError(
-                501,
-                "backend did not return requested logprobs; expected output_token_logprobs for text or meta_info.omni_rollout for audio (set return_omni_rollout=true for audio logprobs)",
-            )
-        if req.output_modalities and "audio" in req.output_modalities and req.return_logprob:
-            raise HTTPError(
-                501,
-                "backend did not return requested logprobs; expected output_token_logprobs for text or meta_info.omni_rollout for audio (set return_omni_rollout=true for audio logprobs)",
-            )
-        metadata = dict(req.metadata) if req.metadata else {}
+        _refuse_unsupported(req)
         # The checks run in the real server's order: the coordinator (session key), the
         # preprocessor (bundle decoding, context limit), then the thinker's request builder
         # (vocabulary, then sglang's SamplingParams). A stage's exception is a JSON 500 whose
         # detail is its message, unless the message marks a caller error (then 400).
-        if "omni_session" in metadata:
+        if "omni_session" in (req.metadata or {}):
             raise HTTPError(400, "request metadata key 'omni_session' is reserved")
         sp = req.sampling_params
         temperature = 0.0 if sp.temperature is None else sp.temperature  # omitted = greedy on 0.1.9
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         max_new = sp.max_new_tokens or sp.max_tokens or 2048
-        tensors: dict[str, np.ndarray] = {}
-        digests: dict[str, tuple[str, list[int], str]] = {}
+        input_ids = self._prompt_ids(req)
+        tensors, digests = _decode_bundle(req)
+        self._check_context(len(input_ids), max_new)
+        _check_bundle_metadata(tensors)
+        self._check_vocabulary(input_ids)
+        _check_sampling(sp, stop, temperature)
+
+        record, active = self._admit(req, input_ids, temperature, max_new, digests)
+        try:
+            tokens, logprobs, finish = await self._sample(
+                record, active, sp, tensors, temperature, max_new, fault
+            )
+        except Aborted:
+            record.outcome = "aborted"
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        finally:
+            self.engine.active.pop(record.rid, None)
+        record.token_ids, record.finish_reason = tokens, finish
+        record.weight_version = self.engine.weight_versions["thinker"]
+        content = _generate_reply(
+            req, len(input_ids), tokens, logprobs, finish, record, self.engine.eos_token_id
+        )
+        if fault is not None and fault.kind == "drop":
+            record.outcome = "dropped"
+            return _DroppedResponse(json.dumps(content).encode())
+        record.outcome = "ok"
+        return JSONResponse(content)
+
+    def _prompt_ids(self, req: C.GenerateRequestModel) -> list[int]:
+        """The prompt's token ids: ``input_ids``, or chat ``messages`` folded into the vocabulary
+        (a raw ``prompt`` is the preprocessor's 500 on Qwen3-Omni)."""
         if req.prompt is not None:  # Qwen3-Omni preprocessing cannot take a raw prompt
             raise HTTPError(500, "Preprocessing expects a list of chat messages")
         if req.messages is not None:
             text = json.dumps([m.model_dump() for m in req.messages])
-            input_ids = [b % self.engine.vocab_size for b in text.encode()]
-        else:
-            input_ids = list(req.input_ids or [])
-        if req.multimodal_train_inputs is not None:
-            if req.input_ids is None:
-                raise HTTPError(
-                    400,
-                    "multimodal_train_inputs requires prompt_token_ids (the processor-expanded input_ids)",
-                )
-            unknown = set(req.multimodal_train_inputs.tensors) - MM_NAMES
-            if unknown:
-                raise HTTPError(
-                    400, "unknown multimodal_train_inputs tensors: " + ", ".join(sorted(unknown))
-                )
-            for name, spec in sorted(req.multimodal_train_inputs.tensors.items()):
-                raw = base64.b64decode(spec.data)
-                if math.prod(spec.shape) == 0:  # torch.frombuffer of an empty buffer
-                    raise HTTPError(500, "both buffer length (0) and count (-1) must not be 0")
-                tensors[name] = np.frombuffer(raw, dtype=NUMPY_OF_WIRE[spec.dtype]).reshape(
-                    spec.shape
-                )
-                digests[name] = (spec.dtype, list(spec.shape), hashlib.sha256(raw).hexdigest())
-        self._check_context(len(input_ids), max_new)
-        if tensors:
-            has_image = "pixel_values" in tensors or "pixel_values_videos" in tensors
-            has_audio = "input_features" in tensors
-            for meta, kind in META_PAYLOAD.items():
-                if meta in tensors and kind == "image" and not has_image:
-                    raise HTTPError(
-                        400,
-                        "multimodal_train_inputs provides image/video metadata without pixel_values or pixel_values_videos",
-                    )
-                if meta in tensors and kind == "audio" and not has_audio:
-                    raise HTTPError(
-                        400,
-                        "multimodal_train_inputs provides audio metadata without input_features",
-                    )
-            if "feature_attention_mask" in tensors and tensors["feature_attention_mask"].ndim != 2:
-                raise HTTPError(
-                    500, "Dimension out of range (expected to be in range of [-1, 0], but got 1)"
-                )
+            return [b % self.engine.vocab_size for b in text.encode()]
+        return list(req.input_ids or [])
+
+    def _check_vocabulary(self, input_ids: list[int]) -> None:
         for position, token in enumerate(input_ids):
             if token >= self.engine.vocab_size:
                 raise HTTPError(
@@ -465,18 +539,17 @@ class FakeWorkerApp:
                     f"prompt contains out-of-vocabulary token id {token} at position {position}. "
                     f"Valid token ids are in [0, {self.engine.vocab_size}).",
                 )
-        if len(stop) > MAX_STOP_STRINGS:
-            raise HTTPError(
-                400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}"
-            )
-        if temperature > 0 and sp.top_k is not None and (sp.top_k == 0 or sp.top_k < -1):
-            raise HTTPError(500, f"top_k must be -1 (disable) or at least 1, got {sp.top_k}.")
-        if sp.repetition_penalty is not None and sp.repetition_penalty > 2:
-            raise HTTPError(
-                500,
-                "repetition_penalty must be in (0, 2] (1.0 = no penalty), "
-                f"got {float(sp.repetition_penalty)}.",
-            )
+
+    def _admit(
+        self,
+        req: C.GenerateRequestModel,
+        input_ids: list[int],
+        temperature: float,
+        max_new: int,
+        digests: dict[str, tuple[str, list[int], str]],
+    ) -> tuple[GenerationRecord, ActiveRequest]:
+        """Take the request in (or refuse it with a 503 when the queue is full): its index, its
+        place among the active requests, and the record tests read."""
         engine = self.engine
         if engine.max_inflight is not None and len(engine.active) >= engine.max_inflight:
             raise HTTPError(503, "request queue is full")
@@ -493,7 +566,7 @@ class FakeWorkerApp:
             request_index=index,
             input_ids=input_ids,
             sampling={
-                **sp.model_dump(exclude_none=True),
+                **req.sampling_params.model_dump(exclude_none=True),
                 "temperature": temperature,
                 "max_new_tokens": max_new,
             },
@@ -501,68 +574,52 @@ class FakeWorkerApp:
             tensor_digests=digests,
         )
         engine.records.append(record)
-        try:
-            fake_req = FakeRequest(
-                index,
-                input_ids,
-                temperature,
-                sp.seed,
-                max_new,
-                list(sp.stop_token_ids or []),
-                tensors,
-                req.metadata,
+        return record, active
+
+    async def _sample(
+        self,
+        record: GenerationRecord,
+        active: ActiveRequest,
+        sp: C.SamplingParamsModel,
+        tensors: dict[str, np.ndarray],
+        temperature: float,
+        max_new: int,
+        fault: Any,
+    ) -> tuple[list[int], list[float], str]:
+        """The completion's tokens, logprobs and finish reason, paced one token at a time through
+        the engine's gate (where a pause holds it and an abort raises ``Aborted``)."""
+        engine = self.engine
+        fake_req = FakeRequest(
+            record.request_index,
+            record.input_ids,
+            temperature,
+            sp.seed,
+            max_new,
+            list(sp.stop_token_ids or []),
+            tensors,
+            record.metadata,
+        )
+        gen = engine.generator(fake_req)
+        tokens, logprobs = list(gen.token_ids)[:max_new], list(gen.logprobs)[:max_new]
+        if len(tokens) != len(logprobs):
+            raise HTTPError(
+                500,
+                f"backend returned output_token_logprobs length {len(logprobs)} for completion_tokens={len(tokens)}",
             )
-            gen = engine.generator(fake_req)
-            tokens, logprobs = list(gen.token_ids)[:max_new], list(gen.logprobs)[:max_new]
-            if len(tokens) != len(logprobs):
-                raise HTTPError(
-                    500,
-                    f"backend returned output_token_logprobs length {len(logprobs)} for completion_tokens={len(tokens)}",
-                )
-            finish = gen.finish_reason or (
-                "length"
-                if len(tokens) >= max_new and (not tokens or tokens[-1] != engine.eos_token_id)
-                else "stop"
-            )
-            if fault is not None and fault.kind == "abort_finish":
-                keep = min(fault.after_tokens, len(tokens))
-                tokens, logprobs, finish = tokens[:keep], logprobs[:keep], "abort"
-            for _ in range(max(1, len(tokens))):
-                await engine.gate(active)
-                if engine.token_delay_s:
-                    await asyncio.sleep(engine.token_delay_s)
+        finish = gen.finish_reason or (
+            "length"
+            if len(tokens) >= max_new and (not tokens or tokens[-1] != engine.eos_token_id)
+            else "stop"
+        )
+        if fault is not None and fault.kind == "abort_finish":
+            keep = min(fault.after_tokens, len(tokens))
+            tokens, logprobs, finish = tokens[:keep], logprobs[:keep], "abort"
+        for _ in range(max(1, len(tokens))):
             await engine.gate(active)
-        except Aborted:
-            record.outcome = "aborted"
-            return PlainTextResponse("Internal Server Error", status_code=500)
-        finally:
-            engine.active.pop(rid, None)
-        record.token_ids, record.finish_reason = tokens, finish
-        record.weight_version = engine.weight_versions["thinker"]
-        content = {
-            "text": " ".join(f"<{t}>" for t in tokens if t != engine.eos_token_id),
-            "audio": None,
-            "meta_info": {
-                "finish_reason": {
-                    "type": finish,
-                    "length": len(tokens) if finish == "length" else None,
-                },
-                "prompt_tokens": len(input_ids),
-                "completion_tokens": len(tokens),
-                "cached_tokens": 0,
-                "weight_version": record.weight_version,
-                "request_metadata": req.metadata,
-                "output_token_logprobs": [[lp, t] for lp, t in zip(logprobs, tokens, strict=True)]
-                if req.return_logprob
-                else None,
-                "omni_rollout": None,
-            },
-        }
-        if fault is not None and fault.kind == "drop":
-            record.outcome = "dropped"
-            return _DroppedResponse(json.dumps(content).encode())
-        record.outcome = "ok"
-        return JSONResponse(content)
+            if engine.token_delay_s:
+                await asyncio.sleep(engine.token_delay_s)
+        await engine.gate(active)
+        return tokens, logprobs, finish
 
     def _check_context(self, prompt_len: int, max_new: int) -> None:
         limit = self.engine.max_seq_len
