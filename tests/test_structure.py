@@ -6,8 +6,9 @@ Rules, and why:
   omni-rollout-client are separate distributions that pip-install and test alone; omni-grpo finds
   them, never the other way round.
 * **rollout, sync and backends do not import each other.** ``omni_grpo.rollout``,
-  ``omni_grpo.sync`` and ``omni_grpo.backends`` meet only in the loop (``trainer.py``) and in the
-  shared rooms below them (``types``, ``aio``, ``sglang``, ``data``, ``models``, ``algo``).
+  ``omni_grpo.sync`` and ``omni_grpo.backends`` meet only in the loop (``trainer.py`` and
+  ``loop/``) and in the shared rooms below them (``types``, ``aio``, ``sglang``, ``data``,
+  ``models``, ``algo``).
 * **No import cycle inside a package.** Imports inside functions count (a lazy import that closes
   a loop is still a loop: it only moves the failure to run time); imports under
   ``if TYPE_CHECKING:`` do not (they never run). An edge goes to the module named, not to the
