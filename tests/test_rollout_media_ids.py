@@ -12,7 +12,7 @@ class _Stop(Exception):
 def test_train_passes_the_checkpoints_media_ids_to_the_engine(
     train_against_fake_server, monkeypatch
 ):
-    import omni_grpo.trainer as trainer
+    import omni_grpo.loop.components as components
     from omni_rollout_client.payload import QWEN3_OMNI_MEDIA_IDS
 
     seen = {}
@@ -21,7 +21,7 @@ def test_train_passes_the_checkpoints_media_ids_to_the_engine(
         seen.update(context)
         raise _Stop  # the engine's context is all this test needs: stop before training
 
-    monkeypatch.setattr(trainer, "create_engine", capture)
+    monkeypatch.setattr(components, "create_engine", capture)
     with pytest.raises(_Stop):
         train_against_fake_server([])
     ids = seen["media_ids"]

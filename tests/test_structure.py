@@ -6,8 +6,9 @@ Rules, and why:
   omni-audio-inject and omni-rollout-client are separate distributions that pip-install, test and
   type-check alone; omni-grpo finds them, never the other way round.
 * **rollout, sync and backends do not import each other.** ``omni_grpo.rollout``,
-  ``omni_grpo.sync`` and ``omni_grpo.backends`` meet only in the loop (``trainer.py``) and in the
-  shared rooms below them (``types``, ``aio``, ``sglang``, ``data``, ``models``, ``algo``).
+  ``omni_grpo.sync`` and ``omni_grpo.backends`` meet only in the loop (``trainer.py`` and
+  ``loop/``) and in the shared rooms below them (``types``, ``aio``, ``sglang``, ``data``,
+  ``models``, ``algo``).
 * **No import cycle inside a package.** Imports inside functions count (a lazy import that closes
   a loop is still a loop: it only moves the failure to run time), and so do imports under
   ``if TYPE_CHECKING:``: they never run, but a module typed by another is read through it, so a

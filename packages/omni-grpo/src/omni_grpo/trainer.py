@@ -1,9 +1,18 @@
-"""The GRPO training loop, top to bottom in one file.
+"""The GRPO training loop. :func:`_train` is the step, one page; each phase is a method of
+:class:`GRPORun` just below it:
 
     prepare (tiny checkpoint, extraction, synthetic data)  ->  backend + rollout engine
     [format warm-up]  ->  for each step:
-        data -> rollout -> rewards -> advantages -> backend.step -> weight sync -> metrics/eval/checkpoint
+        rollout -> score (rewards, advantages) -> update -> sync_weights -> metrics row
+        -> maybe_eval -> log_step -> maybe_checkpoint
     -> final checkpoint, plots
+
+Where the rest lives: the backend, engine and weight sync are built in
+``omni_grpo.loop.components``; the step's rollouts, in the step or one step ahead
+(``rollout.max_staleness: 1``), come from ``omni_grpo.loop.rollout_batches``; resuming, and the
+metrics row of a step whose weight sync failed, are ``omni_grpo.run.resume``. The metrics row is
+built in one place, :meth:`GRPORun.metrics_row`; the run's first log lines (what it does that the
+config alone does not say) in one function, :func:`log_first_lines`.
 
 Each component gets its own config sub-model. Everything random draws from python / numpy /
 torch global RNGs seeded from ``run.seed`` and saved in every checkpoint, and the data order is a
@@ -28,27 +37,29 @@ import torch
 
 from omni_grpo.algo import group_advantages
 from omni_grpo.algo.schedule import lr_at
-from omni_grpo.backends import create_backend
-from omni_grpo.models.sideband import media_token_ids
-from omni_grpo.ray.placement import plan_run
+from omni_grpo.loop.components import RunComponents, start_components
+from omni_grpo.loop.data_order import EpochSampler, next_prompts
+from omni_grpo.loop.rollout_batches import RolloutBatches
+
+# re-exported: benchmarks, tests and omni_grpo.testing import it from here
+from omni_grpo.models.sideband import media_token_ids as media_token_ids
 from omni_grpo.ray.resources import check_local_resources
 from omni_grpo.rewards import score_sample
-from omni_grpo.rollout import IN_PROCESS, create_engine
-from omni_grpo.rollout.overlap import AheadEngine, PolicySnapshot, staleness_metrics
-from omni_grpo.run.checkpoint import (
-    DataCursor,
-    TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-)
+from omni_grpo.rollout.overlap import staleness_metrics
+from omni_grpo.run.checkpoint import TrainState, save_checkpoint
 from omni_grpo.run.health import SignalWatch
 from omni_grpo.run.lock import own_run_dir
 from omni_grpo.run.metrics import MetricsLogger, read_metrics
 from omni_grpo.run.plots import plot_run
 from omni_grpo.run.process import configure_threads, seed_everything
 from omni_grpo.run.progress import TrainProgress
+from omni_grpo.run.resume import (
+    ResumePoint,
+    checkpoint_pending_row,
+    complete_pending_row,
+    resume_note,
+    resume_point,
+)
 from omni_grpo.run.rundir import (
     check_resume,
     claim_run_dir,
@@ -58,8 +69,7 @@ from omni_grpo.run.rundir import (
 )
 from omni_grpo.run.signals import find_interrupt, stop_on_signals
 from omni_grpo.run.stored_config import store_run_config
-from omni_grpo.sglang import checkpoint_media_ids
-from omni_grpo.types import Completion, GRPOBatch, PromptInputs, TrainerBackend
+from omni_grpo.types import Completion, GRPOBatch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -70,7 +80,395 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# ---------------------------------------------------------------------------------------- train
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    final_eval: dict[str, float] = field(default_factory=dict)
+    plots: list[Path] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def train(
+    cfg: OmniGRPOConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Run GRPO as configured. ``stop_after`` ends the run early after that step (as a kill would,
+    but cleanly: used by the resume test); a later ``resume=True`` call continues to ``run.steps``.
+    A ``run.dir`` holding another run needs ``resume`` or ``overwrite`` (``omni_grpo.run.rundir``).
+
+    Before anything is made: the inputs exist, a multi-process layout fits the Ray it will start
+    (``check_local_resources``), and this process owns ``run.dir`` (``omni_grpo.run.lock``: a
+    second run into it is refused, naming this one's pid). SIGTERM / SIGINT raise
+    :class:`~omni_grpo.run.signals.RunInterrupted` after everything is closed, saying where the
+    run stopped and that ``--resume`` continues it."""
+    t_start = time.perf_counter()
+    from omni_grpo.config import check_paths
+
+    check_paths(cfg)  # missing inputs fail here, in one line, before anything is made
+    check_local_resources(cfg)
+    run_dir = Path(cfg.run.dir)
+    with stop_on_signals(), own_run_dir(run_dir):
+        try:
+            return _train(cfg, run_dir, t_start, resume, overwrite, progress, stop_after)
+        except BaseException as exc:
+            stop = find_interrupt(exc)  # also when it came back wrapped (a signal inside Ray)
+            if stop is None:
+                raise
+            stop.where = resume_note(run_dir)
+            raise stop from None
+
+
+def _train(
+    cfg: OmniGRPOConfig,
+    run_dir: Path,
+    t_start: float,
+    resume: bool,
+    overwrite: bool,
+    progress: bool,
+    stop_after: int | None,
+) -> TrainResult:
+    """The run itself, in a run directory this process owns (see :func:`train`)."""
+    fingerprint = open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite)
+    inputs = prepare_inputs(cfg, run_dir)  # model and data, made once per run directory
+    # Seed only now: preparation may or may not run (it is skipped when its outputs exist) and
+    # the checkpoint factory reseeds torch, so seeding earlier would make runs differ.
+    seed_everything(cfg.run.seed)
+    parts = start_components(
+        cfg, run_dir, inputs.vl_dir, inputs.tokenizer, inputs.eos_ids, inputs.pad_id
+    )
+    log_first_lines(cfg, parts)
+    point = resume_point(run_dir, parts.backend, parts.sync, resume=resume)
+    point.state.extra["config"] = fingerprint  # stored in every checkpoint, checked on resume
+    run = GRPORun.open(cfg, run_dir, inputs, parts, point)
+    try:
+        run.catch_up(point)  # a resumed run: the engine's weights, the reference, a pending row
+        run.warm_up()  # once per run, before step 1
+        end = cfg.run.steps if stop_after is None else min(cfg.run.steps, stop_after)
+        with TrainProgress(cfg.run.steps, run.state.step, enabled=progress) as bar:
+            for step in range(run.state.step + 1, end + 1):
+                t0 = time.perf_counter()
+                groups = run.rollout(more=step < end)
+                t_rollout = time.perf_counter() - t0
+                rewards, advantages = run.score(groups)
+                t1 = time.perf_counter()
+                update = run.update(step, groups, advantages)
+                t_train = time.perf_counter() - t1
+                row = run.metrics_row(step, groups, rewards, update, t_rollout, t_train)
+                row.update(run.sync_weights(step, row, started=t0))
+                evaluated = run.maybe_eval(step)
+                row.update(evaluated)
+                row["time/step_s"] = time.perf_counter() - t0
+                run.state.step = step
+                run.log_step(step, row, evaluated)
+                bar.update(step, row)
+                run.maybe_checkpoint(step, end)
+    finally:
+        run.close()
+    done = run.state.step
+    plots = plot_run(run_dir) if cfg.run.plots and done == cfg.run.steps else []
+    return TrainResult(run_dir, done, run.last_eval, plots, time.perf_counter() - t_start)
+
+
+@dataclass
+class GRPORun:
+    """The long-lived objects of one run, and the phases of its step as methods.
+
+    ``parts`` owns the weights and the engine (``omni_grpo.loop.components``); ``batches`` draws
+    the data and holds the overlap's batch in flight; ``state`` is what a checkpoint stores.
+    """
+
+    cfg: OmniGRPOConfig
+    run_dir: Path
+    inputs: RunInputs
+    parts: RunComponents
+    state: TrainState
+    batches: RolloutBatches
+    logger: MetricsLogger
+    watch: SignalWatch
+    last_eval: dict[str, float] = field(default_factory=dict)  # the newest evaluation
+
+    @classmethod
+    def open(
+        cls,
+        cfg: OmniGRPOConfig,
+        run_dir: Path,
+        inputs: RunInputs,
+        parts: RunComponents,
+        point: ResumePoint,
+    ) -> GRPORun:
+        """Data order from the resume point's cursor; the metrics file cut back to its step."""
+        sampler = EpochSampler(
+            len(inputs.train_set), cfg.run.seed, inputs.shuffle, point.state.cursor
+        )
+        logger = MetricsLogger(
+            run_dir,
+            tensorboard=cfg.run.tensorboard,
+            wandb=cfg.run.wandb,
+            wandb_config=cfg.model_dump(mode="json"),
+            resume_step=point.state.step if point.checkpoint is not None else None,
+        )
+        watch = SignalWatch(cfg.run.collapse_warn_steps)
+        if point.checkpoint is not None:
+            watch.replay(read_metrics(run_dir))  # the logger kept exactly the checkpoint's steps
+        batches = RolloutBatches(
+            parts.engine,
+            inputs.train_set,
+            sampler,
+            prompts_per_step=cfg.rollout.prompts_per_step,
+            n_samples=cfg.rollout.n_samples,
+            sampling=cfg.rollout.sampling,
+            ahead=bool(cfg.rollout.max_staleness),
+        )
+        return cls(cfg, run_dir, inputs, parts, point.state, batches, logger, watch)
+
+    # --- before step 1
+    def catch_up(self, point: ResumePoint) -> None:
+        """A resumed run: the engine gets the checkpoint's weights, the KL reference is the one
+        saved after the warm-up, and a row left pending by a failed weight sync is written."""
+        if point.checkpoint is None:
+            return
+        pushed = self.parts.push_weights(f"step-{self.state.step}")
+        if self.state.warmup_done:
+            anchor_reference(self.parts.backend, self.run_dir, self.cfg.algo, save=False)
+        self.last_eval = complete_pending_row(
+            self.run_dir,
+            point,
+            pushed,
+            maybe_eval=self.maybe_eval,
+            log_step=self.log_step,
+            watch=self.watch,
+        )
+
+    def warm_up(self) -> None:
+        """``trainer.warmup``: the format warm-up and its step-0 row (held-out accuracy before
+        and after); without one, a step-0 row with the untrained policy's accuracy."""
+        warm, state = self.cfg.trainer.warmup, self.state
+        if warm is not None and warm.steps > 0 and not state.warmup_done:
+            pre = self.held_out_eval()
+            losses = format_warmup(
+                self.parts.backend,
+                self.inputs.train_set,
+                self.batches.sampler,
+                self.inputs.tokenizer,
+                self.inputs.eos_ids[0],
+                warm.steps,
+                warm.lr,
+                self.cfg.rollout.prompts_per_step,
+            )
+            state.warmup_done = True
+            anchor_reference(self.parts.backend, self.run_dir, self.cfg.algo, save=True)
+            self.parts.push_weights("warmup")  # the engine samples (and evaluates) this policy
+            row = {
+                "warmup/nll_first": losses[0],
+                "warmup/nll_last": losses[-1],
+                **{f"pre_warmup/{k}": v for k, v in pre.items()},
+                **self.held_out_eval(),
+            }
+            self.logger.log(0, row)
+        elif state.step == 0 and not state.warmup_done:
+            state.warmup_done = True
+            if baseline := self.held_out_eval():  # no empty step-0 row when evaluation is off
+                self.logger.log(0, baseline)
+
+    # --- the step's phases, in order
+    def rollout(self, *, more: bool) -> list[list[Completion]]:
+        """data -> rollout: ``n_samples`` completions per prompt. ``more``: another step follows
+        (with ``max_staleness: 1`` its batch is requested now, to generate during the update)."""
+        return self.batches.take(more)
+
+    def score(self, groups: list[list[Completion]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """rewards -> advantages, both ``[num_groups, n_samples]``."""
+        rewards = score_groups(groups, self.cfg.rewards)
+        advantages = group_advantages(
+            rewards,
+            self.cfg.rollout.n_samples,
+            std_normalize=self.cfg.algo.advantage.std_normalize,
+            eps=self.cfg.algo.advantage.eps,
+        )
+        return rewards, advantages
+
+    def update(
+        self, step: int, groups: list[list[Completion]], advantages: torch.Tensor
+    ) -> dict[str, float]:
+        """One GRPO update of the policy at the schedule's lr; returns the backend's metrics."""
+        cfg = self.cfg
+        lr = lr_at(step, cfg.run.steps, cfg.trainer.lr, cfg.trainer.lr_schedule)
+        batch = GRPOBatch(groups, advantages, temperature=cfg.rollout.sampling.temperature, lr=lr)
+        return self.parts.backend.step(batch)
+
+    def metrics_row(
+        self,
+        step: int,
+        groups: list[list[Completion]],
+        rewards: torch.Tensor,
+        update: dict[str, float],
+        t_rollout: float,
+        t_train: float,
+    ) -> dict[str, Any]:
+        """The step's metrics row: every field but those that need the new weights on the engine
+        (the sync's numbers, the evaluation) and the step's total time, added after it.
+
+        A new per-step metric goes here (or into :func:`rollout_metrics`, for one computed from
+        the completions alone); the collapse watch sees everything added before it."""
+        row: dict[str, Any] = dict(update)
+        row.update(rollout_metrics(groups, rewards))
+        if self.parts.sync is not None:  # engines with their own weights report their versions
+            row.update(staleness_metrics(groups, step - 1, self.cfg.rollout.max_staleness))
+        row.update(self.watch.update(step, row))
+        row.update({"time/rollout_s": t_rollout, "time/train_s": t_train})
+        skipped = self.inputs.train_set.stats().items()
+        row.update({f"data/{k}": float(v) for k, v in skipped if k.startswith("skipped")})
+        return row
+
+    def sync_weights(self, step: int, row: dict[str, Any], *, started: float) -> dict[str, float]:
+        """The new weights to an engine with its own copy; returns the sync's metrics (none when
+        the embedded engine shares the trainer's module).
+
+        A failed sync (after its own retries) saves the step's checkpoint with ``row`` pending,
+        then raises: the step is trained, and the resume pushes its weights and writes the row
+        (``omni_grpo.run.resume``). A stop signal during the sync is not a failed sync."""
+        try:
+            return self.parts.push_weights(f"step-{step}")
+        except Exception as err:
+            if find_interrupt(err) is None:
+                row["time/step_s"] = time.perf_counter() - started
+                checkpoint_pending_row(self.state, step, row, self.checkpoint)
+            raise
+
+    def maybe_eval(self, step: int) -> dict[str, float]:
+        """The held-out evaluation every ``eval.every`` steps and after the last one."""
+        every = self.cfg.eval.every
+        if not (every and step % every == 0 or step == self.cfg.run.steps):
+            return {}
+        self.last_eval = self.held_out_eval()
+        return self.last_eval
+
+    def log_step(self, step: int, row: dict[str, Any], evaluated: dict[str, float]) -> None:
+        """Write the row every ``run.log_every`` steps, and whenever it holds an evaluation."""
+        if step % self.cfg.run.log_every == 0 or evaluated:
+            self.logger.log(step, row)
+
+    def maybe_checkpoint(self, step: int, end: int) -> None:
+        """A checkpoint every ``run.save_every`` steps and at the last step of this call."""
+        every = self.cfg.run.save_every
+        if every and step % every == 0 or step == end:
+            self.checkpoint()
+
+    # --- helpers of the phases
+    def checkpoint(self) -> None:
+        """Save ``state`` with the weights, the optimizer and (``trainer.lora``) the adapter."""
+        # Not the sampler's cursor: a batch drawn ahead for the next step was not trained on yet.
+        self.state.cursor = self.batches.trained_cursor
+        backend = self.parts.backend
+        weights = backend.trainable_state()
+        save_checkpoint(
+            self.run_dir,
+            self.state,
+            weights,
+            backend.optimizer_state(),
+            extra=peft_files(self.cfg, weights),
+        )
+
+    def held_out_eval(self) -> dict[str, float]:
+        """Greedy held-out accuracy, plain and per ablation (none without data or ``eval.every``)."""
+        eval_set, cfg = self.inputs.eval_set, self.cfg
+        if eval_set is None or cfg.eval.every == 0:
+            return {}
+        engine = self.parts.engine
+        args = (cfg.rollout.eval_sampling, cfg.rewards, cfg.eval.max_samples)
+        return {
+            **evaluate(engine, eval_set, *args),
+            **evaluate_ablated(engine, eval_set, cfg.eval.ablations, *args),
+        }
+
+    def close(self) -> None:
+        """The overlap's thread, the metrics files, then the sync, engine, backend and Ray."""
+        self.batches.close()
+        self.logger.close()
+        self.parts.close()
+
+
+def peft_files(
+    cfg: OmniGRPOConfig, weights: dict[str, torch.Tensor]
+) -> Callable[[Path], None] | None:
+    """``trainer.lora``: the adapter also in peft's own format, inside the same checkpoint."""
+    lora = cfg.trainer.lora
+    if lora is None:
+        return None
+    from omni_grpo.models.lora import save_peft_adapter
+
+    base = str(cfg.model.extracted_dir)
+    return lambda d: save_peft_adapter(d, weights, lora, base)
+
+
 # ----------------------------------------------------------------------------------- preparation
+def open_run_dir(
+    cfg: OmniGRPOConfig, run_dir: Path, *, resume: bool, overwrite: bool
+) -> dict[str, Any]:
+    """Claim ``run_dir`` for this run (a resume only under the settings it was saved with), clear
+    what killed writers left, store the config; returns the config's fingerprint."""
+    fingerprint = config_fingerprint(cfg)
+    claim_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    if resume:
+        check_resume(run_dir, fingerprint)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(run_temp_parents(cfg, run_dir))
+    store_run_config(cfg, run_dir)  # export and humans read the run's base and settings from it
+    configure_threads()
+    return fingerprint
+
+
+@dataclass
+class RunInputs:
+    """The prepared model directory, its tokenizer and the datasets built from it."""
+
+    vl_dir: Path
+    tokenizer: Any
+    train_set: OmniDataset
+    eval_set: OmniDataset | None
+    shuffle: bool  # data.shuffle
+    eos_ids: list[int]  # the first one ends the warm-up's targets
+    pad_id: int
+
+
+def prepare_inputs(cfg: OmniGRPOConfig, run_dir: Path) -> RunInputs:
+    """The model's ``vl`` directory and the datasets, made first when they do not exist yet."""
+    vl_dir, _audio_dir = prepare_model(cfg.model, run_dir)
+    data_cfg = prepare_data(cfg.data, run_dir)
+    from omni_grpo.data.dataset import OmniDataset
+    from omni_grpo.data.prompt import PromptBuilder
+
+    builder = PromptBuilder(vl_dir, data_cfg)
+    tokenizer = builder.tokenizer
+    train_set = OmniDataset(data_cfg.train, data_cfg.root, builder)
+    eval_set = OmniDataset(data_cfg.eval, data_cfg.root, builder) if data_cfg.eval else None
+    eos_ids = end_of_turn_ids(vl_dir, tokenizer)
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0])
+    return RunInputs(vl_dir, tokenizer, train_set, eval_set, data_cfg.shuffle, eos_ids, pad_id)
+
+
+def log_first_lines(cfg: OmniGRPOConfig, parts: RunComponents) -> None:
+    """The run's opening statements: what it does that the config alone does not make plain.
+    A new one (a setting's consequence worth a line before step 1) goes here."""
+    overlap = bool(cfg.rollout.max_staleness)
+    if cfg.rollout.exact_logprobs and overlap and parts.ray_run is None:
+        log.info(
+            "rollout.exact_logprobs with rollout.max_staleness 1: samples are one policy "
+            "version old, so train_rollout_logprob_exact_fraction measures the staleness"
+        )
+    if overlap and not (cfg.algo.tis.enabled or cfg.algo.use_rollout_logprobs):
+        log.warning(
+            "rollout.max_staleness 1 without algo.tis: samples one version old are trained "
+            "with no importance correction (see the README's 'Overlapped rollouts')"
+        )
+
+
 def prepare_model(model: ModelConfig, run_dir: Path) -> tuple[Path, Path]:
     """Make the tiny Omni checkpoint if asked and extract its ``vl`` and ``audio`` parts once.
 
@@ -136,48 +534,6 @@ def end_of_turn_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     return [int(x) for x in (eos if isinstance(eos, list) else [eos])]
 
 
-# ------------------------------------------------------------------------------------ data order
-class EpochSampler:
-    """Indices in a fresh permutation per epoch; the permutation of epoch ``e`` depends only on
-    (seed, e), so the cursor (epoch, position) is all a checkpoint needs to store."""
-
-    def __init__(
-        self, size: int, seed: int, shuffle: bool = True, cursor: DataCursor | None = None
-    ) -> None:
-        if size == 0:
-            raise ValueError("the training dataset is empty")
-        self.size = size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.cursor = cursor or DataCursor()
-
-    def order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.size)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
-
-    def next(self) -> int:
-        if self.cursor.position >= self.size:
-            self.cursor = DataCursor(self.cursor.epoch + 1, 0)
-        index = int(self.order(self.cursor.epoch)[self.cursor.position])
-        self.cursor = DataCursor(self.cursor.epoch, self.cursor.position + 1)
-        return index
-
-
-def next_prompts(dataset: OmniDataset, sampler: EpochSampler, count: int) -> list[PromptInputs]:
-    """``count`` loadable prompts; unreadable rows are skipped and counted by the dataset."""
-    prompts: list[PromptInputs] = []
-    tries = 0
-    while len(prompts) < count:
-        item = dataset.load(sampler.next())
-        tries += 1
-        if item is not None:
-            prompts.append(item)
-        elif tries > 10 * max(count, len(dataset)):
-            raise RuntimeError(f"no loadable rows in the training set ({dataset.stats()})")
-    return prompts
-
-
 # ---------------------------------------------------------------------------------- rewards, eval
 def score_groups(groups: list[list[Completion]], rewards_cfg: Any) -> torch.Tensor:
     """Reward of every completion, ``[num_groups, n]`` (also stored on each Completion)."""
@@ -239,6 +595,44 @@ def evaluate_ablated(
     return out
 
 
+def rollout_metrics(groups: list[list[Completion]], rewards: torch.Tensor) -> dict[str, float]:
+    """Reward statistics (overall and per modality), lengths, how many groups carry signal and
+    the policy's entropy per modality.
+
+    ``entropy/<modality>`` is the sampled-token estimate ``-mean(logprob)`` over the completions'
+    tokens under the rollout sampling distribution (no extra forward, and it is what the engine
+    actually sampled from); it falls towards 0 as a modality's policy turns deterministic, which
+    is what precedes a zero-variance collapse. ``zero_variance_frac/<modality>`` is the share of
+    its groups whose rewards are all equal (``1 - signal``): no advantage, no gradient.
+    """
+    has_groups = rewards.shape[1] > 1
+    varied = rewards.std(dim=1) > 0 if has_groups else torch.zeros(len(groups), dtype=torch.bool)
+    out: dict[str, float] = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "groups_with_signal": float(varied.float().mean()) if has_groups else 0.0,
+        "zero_variance_frac": float(1.0 - varied.float().mean()) if has_groups else 1.0,
+        "completion_len_mean": float(np.mean([len(c.token_ids) for g in groups for c in g])),
+        "truncated_frac": float(np.mean([c.finish_reason == "length" for g in groups for c in g])),
+    }
+    per: dict[str, list[float]] = defaultdict(list)
+    signal: dict[str, list[float]] = defaultdict(list)
+    logps: dict[str, list[float]] = defaultdict(list)
+    for g, group in enumerate(groups):
+        modality = group[0].prompt.sample.modality
+        per[modality].extend(rewards[g].tolist())
+        signal[modality].append(float(varied[g]))
+        logps[modality].extend(lp for c in group for lp in c.logprobs)
+    for modality, values in sorted(per.items()):
+        out[f"reward/{modality}"] = float(np.mean(values))
+        # groups whose rewards differ: the only ones GRPO learns from (0 = collapsed on this task)
+        out[f"signal/{modality}"] = float(np.mean(signal[modality]))
+        out[f"zero_variance_frac/{modality}"] = 1.0 - out[f"signal/{modality}"]
+        if logps[modality]:
+            out[f"entropy/{modality}"] = float(-np.mean(logps[modality]))
+    return out
+
+
 # ------------------------------------------------------------------------------------- warm-up
 def format_warmup(
     backend: Any,
@@ -297,454 +691,3 @@ def anchor_reference(backend: Any, run_dir: Path, algo: Any, *, save: bool) -> N
         log.warning("%s is missing: the KL reference stays the untrained model", path)
         return
     set_reference(torch.load(path, weights_only=True))
-
-
-# ---------------------------------------------------------------------------------------- train
-# state.extra key of a checkpoint saved because the step's weight sync failed: that step's
-# metrics row, which the resume completes and writes (the step is not trained again).
-PENDING_ROW = "pending_metrics_row"
-
-
-def plain(metrics: dict[str, Any]) -> dict[str, Any]:
-    """``metrics`` with JSON-native values (numpy and torch scalars become floats)."""
-    out: dict[str, Any] = {}
-    for key, value in metrics.items():
-        if isinstance(value, bool | int | float | str) or value is None:
-            out[key] = value
-        else:
-            try:
-                out[key] = float(value)
-            except (TypeError, ValueError):
-                out[key] = str(value)
-    return out
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    steps: int
-    final_eval: dict[str, float] = field(default_factory=dict)
-    plots: list[Path] = field(default_factory=list)
-    wall_s: float = 0.0
-
-
-def train(
-    cfg: OmniGRPOConfig,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    stop_after: int | None = None,
-) -> TrainResult:
-    """Run GRPO as configured. ``stop_after`` ends the run early after that step (as a kill would,
-    but cleanly: used by the resume test); a later ``resume=True`` call continues to ``run.steps``.
-    A ``run.dir`` holding another run needs ``resume`` or ``overwrite`` (``omni_grpo.run.rundir``).
-
-    Before anything is made: the inputs exist, a multi-process layout fits the Ray it will start
-    (``check_local_resources``), and this process owns ``run.dir`` (``omni_grpo.run.lock``: a
-    second run into it is refused, naming this one's pid). SIGTERM / SIGINT raise
-    :class:`~omni_grpo.run.signals.RunInterrupted` after everything is closed, saying where the
-    run stopped and that ``--resume`` continues it."""
-    t_start = time.perf_counter()
-    from omni_grpo.config import check_paths
-
-    check_paths(cfg)  # missing inputs fail here, in one line, before anything is made
-    check_local_resources(cfg)
-    run_dir = Path(cfg.run.dir)
-    with stop_on_signals(), own_run_dir(run_dir):
-        try:
-            return _train(cfg, run_dir, t_start, resume, overwrite, progress, stop_after)
-        except BaseException as exc:
-            stop = find_interrupt(exc)  # also when it came back wrapped (a signal inside Ray)
-            if stop is None:
-                raise
-            stop.where = resume_note(run_dir)
-            raise stop from None
-
-
-def resume_note(run_dir: Path) -> str:
-    """Where an interrupted run stands: the last step logged, what ``--resume`` continues from."""
-    steps = [r["step"] for r in read_metrics(run_dir)]
-    done = f" after step {steps[-1]}" if steps else ""
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        return f"{done}; {run_dir} holds no checkpoint yet: --resume starts it again from step 1"
-    return f"{done}; rerun with --resume to continue {run_dir} from {ckpt.name}"
-
-
-def _train(
-    cfg: OmniGRPOConfig,
-    run_dir: Path,
-    t_start: float,
-    resume: bool,
-    overwrite: bool,
-    progress: bool,
-    stop_after: int | None,
-) -> TrainResult:
-    """The run itself, in a run directory this process owns (see :func:`train`)."""
-    fingerprint = config_fingerprint(cfg)
-    claim_run_dir(run_dir, resume=resume, overwrite=overwrite)
-    if resume:
-        check_resume(run_dir, fingerprint)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(run_temp_parents(cfg, run_dir))
-    store_run_config(cfg, run_dir)  # export and humans read the run's base and settings from it
-    configure_threads()
-
-    # --- model and data, made once per run directory
-    vl_dir, _audio_dir = prepare_model(cfg.model, run_dir)
-    data_cfg = prepare_data(cfg.data, run_dir)
-    from omni_grpo.data.dataset import OmniDataset
-    from omni_grpo.data.prompt import PromptBuilder
-
-    builder = PromptBuilder(vl_dir, data_cfg)
-    tokenizer = builder.tokenizer
-    train_set = OmniDataset(data_cfg.train, data_cfg.root, builder)
-    eval_set = OmniDataset(data_cfg.eval, data_cfg.root, builder) if data_cfg.eval else None
-    eos_ids = end_of_turn_ids(vl_dir, tokenizer)
-    eos_id = eos_ids[0]
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id)
-
-    # Seed only now: preparation may or may not run (it is skipped when its outputs exist) and
-    # the checkpoint factory reseeds torch, so seeding earlier would make runs differ.
-    seed_everything(cfg.run.seed)
-
-    # --- backend (owns the weights), rollout engine and weight sync: in this process, or, when
-    # the plan spans several processes, Ray actors behind stand-ins with the same interfaces
-    # (omni_grpo.ray.driver); nothing below this block can tell the difference.
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
-    # The checkpoint's own placeholder ids: a remote engine refuses audio-in-video prompts by them.
-    media_ids = checkpoint_media_ids(vl_dir)
-    backend: TrainerBackend
-    ray_run = None
-    if plan_run(cfg).distributed:
-        from omni_grpo.ray.driver import start_ray_run
-
-        ray_run = start_ray_run(
-            cfg,
-            run_dir,
-            pad_token_id=pad_id,
-            eos_token_ids=eos_ids,
-            decode_fn=decode,
-            vocab_size=len(tokenizer),
-            media_ids=media_ids,
-        )
-        backend, engine, sync = ray_run.backend, ray_run.engine, ray_run.sync
-    else:
-        backend = create_backend(
-            cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
-        )
-        if cfg.rollout.exact_logprobs:  # before any engine samples from the policy
-            from omni_grpo.exact import enable_exact_logprobs
-
-            enable_exact_logprobs(backend.policy)
-            if cfg.rollout.max_staleness:
-                backend.exact_watch.enabled = False  # type: ignore[attr-defined]
-                log.info(
-                    "rollout.exact_logprobs with rollout.max_staleness 1: samples are one policy "
-                    "version old, so train_rollout_logprob_exact_fraction measures the staleness"
-                )
-        context: dict[str, Any] = dict(
-            eos_token_ids=eos_ids,
-            banned_token_ids=media_token_ids(backend.policy),
-            decode_fn=decode,
-            device=str(backend.device),
-            vocab_size=len(tokenizer),
-            media_ids=media_ids,
-        )
-        engine = create_engine(cfg.rollout, policy=backend.policy, **context)
-        sync = None
-        if cfg.rollout.engine not in IN_PROCESS:  # remote engines need new weights after each step
-            from omni_grpo.sync import make_weight_sync
-
-            sync = make_weight_sync(cfg.rollout.sglang, run_dir=run_dir)
-        elif cfg.rollout.max_staleness:
-            # Sampling one step ahead needs weights the optimizer is not changing: a snapshot of
-            # the policy, refreshed by the same push as any other engine (rollout/overlap.py).
-            engine = sync = PolicySnapshot(
-                backend.policy,
-                lambda module, version_fn: create_engine(
-                    cfg.rollout, policy=module, version_fn=version_fn, **context
-                ),
-            )
-    sampling, eval_sampling = cfg.rollout.sampling, cfg.rollout.eval_sampling
-    # rollout.max_staleness 1: step k+1's rollouts are generated while step k trains.
-    ahead = AheadEngine(engine) if cfg.rollout.max_staleness else None
-    if ahead is not None and not (cfg.algo.tis.enabled or cfg.algo.use_rollout_logprobs):
-        log.warning(
-            "rollout.max_staleness 1 without algo.tis: samples one version old are trained "
-            "with no importance correction (see the README's 'Overlapped rollouts')"
-        )
-
-    # --- resume
-    state = TrainState()
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    pending: dict[str, Any] | None = None  # the row of a step stopped by its weight sync
-    if ckpt is not None:
-        state, weights, optim_state, rng = load_checkpoint(ckpt)
-        pending = state.extra.pop(PENDING_ROW, None)
-        backend.load_trainable_state(weights)
-        backend.load_optimizer_state(optim_state)
-        restore_rng(rng)
-        log.info("resumed from %s (step %d)", ckpt, state.step)
-        if sync is not None and state.step > 0:
-            # The servers may hold older weights (a run stopped by a failed sync saves first).
-            weights, layout = backend.weights_for_sync()
-            sync.push(weights, version=f"step-{state.step}", layout=layout)
-    elif resume:
-        log.warning(
-            "resume requested but %s has no checkpoint; starting from scratch",
-            run_dir / "checkpoints",
-        )
-    state.extra["config"] = fingerprint  # stored in every checkpoint, checked on resume
-    sampler = EpochSampler(len(train_set), cfg.run.seed, data_cfg.shuffle, state.cursor)
-    logger = MetricsLogger(
-        run_dir,
-        tensorboard=cfg.run.tensorboard,
-        wandb=cfg.run.wandb,
-        wandb_config=cfg.model_dump(mode="json"),
-        resume_step=state.step if ckpt is not None else None,
-    )
-
-    def checkpoint() -> None:
-        # Not sampler.cursor: a batch drawn ahead for the next step was not trained on yet.
-        state.cursor = trained_cursor
-        weights = backend.trainable_state()
-        save_checkpoint(
-            run_dir, state, weights, backend.optimizer_state(), extra=peft_files(weights)
-        )
-
-    def peft_files(weights: dict[str, torch.Tensor]) -> Callable[[Path], None] | None:
-        """trainer.lora: the adapter also in peft's own format, inside the same checkpoint."""
-        lora = cfg.trainer.lora
-        if lora is None:
-            return None
-        from omni_grpo.models.lora import save_peft_adapter
-
-        base = str(cfg.model.extracted_dir)
-        return lambda d: save_peft_adapter(d, weights, lora, base)
-
-    def push_weights(version: str) -> dict[str, float]:
-        """New weights to an engine that holds its own copy (servers, rollout actors); the
-        in-process embedded engine samples from the trainer's module and needs none."""
-        if sync is None:
-            return {}
-        weights, layout = backend.weights_for_sync()
-        return sync.push(weights, version=version, layout=layout).metrics()
-
-    def run_eval() -> dict[str, float]:
-        if eval_set is None or cfg.eval.every == 0:
-            return {}
-        args = (eval_sampling, cfg.rewards, cfg.eval.max_samples)
-        return {
-            **evaluate(engine, eval_set, *args),
-            **evaluate_ablated(engine, eval_set, cfg.eval.ablations, *args),
-        }
-
-    eval_every = cfg.eval.every
-    watch = SignalWatch(cfg.run.collapse_warn_steps)
-
-    def complete_pending_row(
-        step: int, row: dict[str, Any], pushed: dict[str, float]
-    ) -> dict[str, float]:
-        """The row of checkpointed step ``step`` whose weight sync failed, written now that the
-        engine holds its weights: with the sync's numbers, and its evaluation if one is due.
-        A resume that already wrote it (and was stopped later) finds it in the file: not again.
-        Returns the step's evaluation."""
-        eval_keys = ("eval/", "pre_warmup/")
-        for old in read_metrics(run_dir):
-            if old["step"] == step:
-                return {k: v for k, v in old.items() if k.startswith(eval_keys)}
-        row = {**row, **pushed}
-        evaluated: dict[str, float] = {}
-        if eval_every and step % eval_every == 0 or step == cfg.run.steps:
-            evaluated = run_eval()
-            row.update(evaluated)
-        watch.replay([row])
-        if step % cfg.run.log_every == 0 or evaluated:
-            logger.log(step, row)
-        return evaluated
-
-    if ckpt is not None:
-        watch.replay(read_metrics(run_dir))  # the logger kept exactly the checkpoint's steps
-    last_eval: dict[str, float] = {}
-    trained_cursor = sampler.cursor
-    ahead_batch = None  # the next step's rollouts in flight (max_staleness 1)
-    try:
-        if ckpt is not None:  # an engine with its own weights starts from the checkpoint's
-            pushed = push_weights(f"step-{state.step}")
-            if state.warmup_done:
-                anchor_reference(backend, run_dir, cfg.algo, save=False)
-            if pending is not None and pending.get("step") == state.step:
-                last_eval = complete_pending_row(state.step, pending["metrics"], pushed)
-        # --- optional format warm-up (once per run, before step 1)
-        warm = cfg.trainer.warmup
-        if warm is not None and warm.steps > 0 and not state.warmup_done:
-            pre = run_eval()
-            losses = format_warmup(
-                backend,
-                train_set,
-                sampler,
-                tokenizer,
-                eos_id,
-                warm.steps,
-                warm.lr,
-                cfg.rollout.prompts_per_step,
-            )
-            state.warmup_done = True
-            anchor_reference(backend, run_dir, cfg.algo, save=True)
-            push_weights("warmup")  # the engine must sample (and evaluate) the warmed-up policy
-            logger.log(
-                0,
-                {
-                    "warmup/nll_first": losses[0],
-                    "warmup/nll_last": losses[-1],
-                    **{f"pre_warmup/{k}": v for k, v in pre.items()},
-                    **run_eval(),
-                },
-            )
-        elif state.step == 0 and not state.warmup_done:
-            state.warmup_done = True
-            if baseline := run_eval():  # no empty step-0 row when evaluation is off
-                logger.log(0, baseline)
-
-        end = cfg.run.steps if stop_after is None else min(cfg.run.steps, stop_after)
-        with TrainProgress(cfg.run.steps, state.step, enabled=progress) as bar:
-            for step in range(state.step + 1, end + 1):
-                t0 = time.perf_counter()
-                # data -> rollout (max_staleness 1: this step's batch was requested during the
-                # last one; request the next before training, so generation overlaps the update)
-                if ahead_batch is None:
-                    prompts = next_prompts(train_set, sampler, cfg.rollout.prompts_per_step)
-                    groups = engine.generate(prompts, cfg.rollout.n_samples, sampling)
-                else:
-                    groups = ahead_batch.result()
-                trained_cursor = sampler.cursor
-                ahead_batch = None
-                if ahead is not None and step < end:
-                    # The worker draws the prompts too: loading is rollout work, not the
-                    # trainer's. The sampler is not touched here again until the batch is in.
-                    ahead_batch = ahead.submit(
-                        lambda: next_prompts(train_set, sampler, cfg.rollout.prompts_per_step),
-                        cfg.rollout.n_samples,
-                        sampling,
-                    )
-                t_rollout = time.perf_counter() - t0
-                # rewards -> advantages
-                rewards = score_groups(groups, cfg.rewards)
-                advantages = group_advantages(
-                    rewards,
-                    cfg.rollout.n_samples,
-                    std_normalize=cfg.algo.advantage.std_normalize,
-                    eps=cfg.algo.advantage.eps,
-                )
-                # update
-                t1 = time.perf_counter()
-                metrics = backend.step(
-                    GRPOBatch(
-                        groups,
-                        advantages,
-                        temperature=sampling.temperature,
-                        lr=lr_at(step, cfg.run.steps, cfg.trainer.lr, cfg.trainer.lr_schedule),
-                    )
-                )
-                t_train = time.perf_counter() - t1
-                # the step's metrics, all but what needs the new weights on the engine
-                metrics.update(rollout_metrics(groups, rewards))
-                if sync is not None:  # engines with their own weights report their versions
-                    metrics.update(staleness_metrics(groups, step - 1, cfg.rollout.max_staleness))
-                metrics.update(watch.update(step, metrics))
-                metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train})
-                metrics.update(
-                    {
-                        f"data/{k}": float(v)
-                        for k, v in train_set.stats().items()
-                        if k.startswith("skipped")
-                    }
-                )
-                # weight sync (engines with their own copy; the embedded engine shares the module)
-                if sync is not None:
-                    try:
-                        metrics.update(push_weights(f"step-{step}"))
-                    except Exception as err:
-                        if find_interrupt(err) is not None:
-                            raise  # a stop signal arrived during the sync: not a failed sync
-                        # The sync retried what it could; keep the step's update before stopping,
-                        # with its metrics row: the resume writes it once the weights are pushed.
-                        state.step = step
-                        metrics["time/step_s"] = time.perf_counter() - t0
-                        state.extra[PENDING_ROW] = {"step": step, "metrics": plain(metrics)}
-                        try:
-                            checkpoint()
-                        finally:
-                            state.extra.pop(PENDING_ROW, None)
-                        log.error(
-                            "weight sync of step %d failed; saved the checkpoint of step %d first "
-                            "(resume with --resume: the weights are pushed again)",
-                            step,
-                            step,
-                        )
-                        raise
-                # eval / metrics row / checkpoint
-                if eval_every and step % eval_every == 0 or step == cfg.run.steps:
-                    last_eval = run_eval()
-                    metrics.update(last_eval)
-                metrics["time/step_s"] = time.perf_counter() - t0
-                state.step = step
-                if step % cfg.run.log_every == 0 or last_eval.keys() & metrics.keys():
-                    logger.log(step, metrics)
-                bar.update(step, metrics)
-                if cfg.run.save_every and step % cfg.run.save_every == 0 or step == end:
-                    checkpoint()
-    finally:
-        if ahead is not None:
-            ahead.close()
-        logger.close()
-        if sync is not None:
-            sync.close()
-        engine.close()  # remote engines hold HTTP connection pools
-        backend.close()
-        if ray_run is not None:
-            ray_run.close()
-    plots = plot_run(run_dir) if cfg.run.plots and state.step == cfg.run.steps else []
-    return TrainResult(run_dir, state.step, last_eval, plots, time.perf_counter() - t_start)
-
-
-def rollout_metrics(groups: list[list[Completion]], rewards: torch.Tensor) -> dict[str, float]:
-    """Reward statistics (overall and per modality), lengths, how many groups carry signal and
-    the policy's entropy per modality.
-
-    ``entropy/<modality>`` is the sampled-token estimate ``-mean(logprob)`` over the completions'
-    tokens under the rollout sampling distribution (no extra forward, and it is what the engine
-    actually sampled from); it falls towards 0 as a modality's policy turns deterministic, which
-    is what precedes a zero-variance collapse. ``zero_variance_frac/<modality>`` is the share of
-    its groups whose rewards are all equal (``1 - signal``): no advantage, no gradient.
-    """
-    has_groups = rewards.shape[1] > 1
-    varied = rewards.std(dim=1) > 0 if has_groups else torch.zeros(len(groups), dtype=torch.bool)
-    out: dict[str, float] = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "groups_with_signal": float(varied.float().mean()) if has_groups else 0.0,
-        "zero_variance_frac": float(1.0 - varied.float().mean()) if has_groups else 1.0,
-        "completion_len_mean": float(np.mean([len(c.token_ids) for g in groups for c in g])),
-        "truncated_frac": float(np.mean([c.finish_reason == "length" for g in groups for c in g])),
-    }
-    per: dict[str, list[float]] = defaultdict(list)
-    signal: dict[str, list[float]] = defaultdict(list)
-    logps: dict[str, list[float]] = defaultdict(list)
-    for g, group in enumerate(groups):
-        modality = group[0].prompt.sample.modality
-        per[modality].extend(rewards[g].tolist())
-        signal[modality].append(float(varied[g]))
-        logps[modality].extend(lp for c in group for lp in c.logprobs)
-    for modality, values in sorted(per.items()):
-        out[f"reward/{modality}"] = float(np.mean(values))
-        # groups whose rewards differ: the only ones GRPO learns from (0 = collapsed on this task)
-        out[f"signal/{modality}"] = float(np.mean(signal[modality]))
-        out[f"zero_variance_frac/{modality}"] = 1.0 - out[f"signal/{modality}"]
-        if logps[modality]:
-            out[f"entropy/{modality}"] = float(-np.mean(logps[modality]))
-    return out

@@ -1,0 +1,121 @@
+"""The backend, the rollout engine and the weight sync of a run: built together, closed together.
+
+In this process, or — when the plan spans several processes — Ray actors behind stand-ins with
+the same interfaces (``omni_grpo.ray.driver``); the loop cannot tell the difference. This is the
+one place where ``omni_grpo.backends``, ``omni_grpo.rollout`` and ``omni_grpo.sync`` meet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omni_grpo.backends import create_backend
+from omni_grpo.models.sideband import media_token_ids
+from omni_grpo.ray.placement import plan_run
+from omni_grpo.rollout import IN_PROCESS, create_engine
+from omni_grpo.rollout.overlap import PolicySnapshot
+from omni_grpo.sglang import checkpoint_media_ids
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from omni_grpo.config import OmniGRPOConfig
+    from omni_grpo.ray.driver import RayRun
+    from omni_grpo.types import RolloutEngine, TrainerBackend, WeightSync
+
+
+@dataclass
+class RunComponents:
+    """What owns the weights and what samples from them.
+
+    ``sync`` is None when the engine samples from the trainer's own module (the embedded engine
+    in this process): nothing to push. ``ray_run`` is what a multi-process run has to tear down.
+    """
+
+    backend: TrainerBackend
+    engine: RolloutEngine
+    sync: WeightSync | None
+    ray_run: RayRun | None = None
+
+    def push_weights(self, version: str) -> dict[str, float]:
+        """New weights to an engine that holds its own copy (servers, rollout actors, the
+        overlap's snapshot), named ``version``; returns the sync's metrics (none without one)."""
+        if self.sync is None:
+            return {}
+        weights, layout = self.backend.weights_for_sync()
+        return self.sync.push(weights, version=version, layout=layout).metrics()
+
+    def close(self) -> None:
+        """Sync, engine (remote engines hold HTTP connection pools), backend, then Ray."""
+        if self.sync is not None:
+            self.sync.close()
+        self.engine.close()
+        self.backend.close()
+        if self.ray_run is not None:
+            self.ray_run.close()
+
+
+def start_components(
+    cfg: OmniGRPOConfig,
+    run_dir: Path,
+    vl_dir: Path,
+    tokenizer: Any,
+    eos_ids: list[int],
+    pad_id: int,
+) -> RunComponents:
+    """Build the run's backend, engine and sync as ``cfg`` plans them (after seeding: model
+    initialisation draws from the global RNGs)."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    # The checkpoint's own placeholder ids: a remote engine refuses audio-in-video prompts by them.
+    media_ids = checkpoint_media_ids(vl_dir)
+    if plan_run(cfg).distributed:
+        from omni_grpo.ray.driver import start_ray_run
+
+        ray_run = start_ray_run(
+            cfg,
+            run_dir,
+            pad_token_id=pad_id,
+            eos_token_ids=eos_ids,
+            decode_fn=decode,
+            vocab_size=len(tokenizer),
+            media_ids=media_ids,
+        )
+        return RunComponents(ray_run.backend, ray_run.engine, ray_run.sync, ray_run)
+
+    backend = create_backend(
+        cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
+    )
+    if cfg.rollout.exact_logprobs:  # before any engine samples from the policy
+        from omni_grpo.exact import enable_exact_logprobs
+
+        enable_exact_logprobs(backend.policy)
+        if cfg.rollout.max_staleness:  # samples one version old: inexact by construction
+            backend.exact_watch.enabled = False  # type: ignore[attr-defined]
+    context: dict[str, Any] = dict(
+        eos_token_ids=eos_ids,
+        banned_token_ids=media_token_ids(backend.policy),
+        decode_fn=decode,
+        device=str(backend.device),
+        vocab_size=len(tokenizer),
+        media_ids=media_ids,
+    )
+    engine = create_engine(cfg.rollout, policy=backend.policy, **context)
+    if cfg.rollout.engine not in IN_PROCESS:  # remote engines need new weights after each step
+        from omni_grpo.sync import make_weight_sync
+
+        return RunComponents(backend, engine, make_weight_sync(cfg.rollout.sglang, run_dir=run_dir))
+    if cfg.rollout.max_staleness:
+        # Sampling one step ahead needs weights the optimizer is not changing: a snapshot of the
+        # policy, refreshed by the same push as any other engine (rollout/overlap.py).
+        snapshot = PolicySnapshot(
+            backend.policy,
+            lambda module, version_fn: create_engine(
+                cfg.rollout, policy=module, version_fn=version_fn, **context
+            ),
+        )
+        return RunComponents(backend, snapshot, snapshot)
+    return RunComponents(backend, engine, None)
