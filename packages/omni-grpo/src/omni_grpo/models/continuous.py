@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omni_grpo.models.generation import (
+from omni_grpo.models.decode_step import (
     STOP_CHECK_EVERY,
     GenerationResult,
     GraphStep,
     KVCacheTooLarge,
-    _layer_tensors,
-    _Slots,
+    SlotCache,
     free_device_bytes,
+    layer_tensors,
     sample_step,
 )
 
@@ -244,7 +244,7 @@ class ContinuousDecoder(GraphStep):
         # CUDA graph cannot capture
         self.mask.index_put_((slots, self.column), self.ones)
         pos = (self.pos0 + self.fed)[:, None].unsqueeze(0).expand(3, -1, -1)
-        cache = _Slots(self.keys, self.values, self.column)
+        cache = SlotCache(self.keys, self.values, self.column)
         logits = self.logits(self.tok, pos, cache, self.mask, self.start)
         tok, lp = self._draw(logits, self.row, self.count)
         live = ~self.done
@@ -372,7 +372,7 @@ def prefill_all(
     )
     cache = getattr(out, "cache", None)
     cache = cache if cache is not None else out.past_key_values
-    layer_kv = _layer_tensors(cache)
+    layer_kv = layer_tensors(cache)
     deltas = thinker.rope_deltas.to(input_ids.device).reshape(-1)
     valid = attention_mask.long().sum(-1)
     return Prefilled(
