@@ -322,6 +322,9 @@ class GRPORun:
             row.update(staleness_metrics(groups, step - 1, self.cfg.rollout.max_staleness))
         row.update(self.watch.update(step, row))
         row.update({"time/rollout_s": t_rollout, "time/train_s": t_train})
+        # generated tokens over the rollout phase's wall time, as this step waited for it
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        row["time/generation_tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
         skipped = self.inputs.train_set.stats().items()
         row.update({f"data/{k}": float(v) for k, v in skipped if k.startswith("skipped")})
         return row
@@ -605,6 +608,7 @@ def rollout_metrics(groups: list[list[Completion]], rewards: torch.Tensor) -> di
     is what precedes a zero-variance collapse. ``zero_variance_frac/<modality>`` is the share of
     its groups whose rewards are all equal (``1 - signal``): no advantage, no gradient.
     """
+    lengths = [len(c.token_ids) for g in groups for c in g]
     has_groups = rewards.shape[1] > 1
     varied = rewards.std(dim=1) > 0 if has_groups else torch.zeros(len(groups), dtype=torch.bool)
     out: dict[str, float] = {
@@ -612,7 +616,9 @@ def rollout_metrics(groups: list[list[Completion]], rewards: torch.Tensor) -> di
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "groups_with_signal": float(varied.float().mean()) if has_groups else 0.0,
         "zero_variance_frac": float(1.0 - varied.float().mean()) if has_groups else 1.0,
-        "completion_len_mean": float(np.mean([len(c.token_ids) for g in groups for c in g])),
+        "completion_len_mean": float(np.mean(lengths)),
+        **{f"completion_len_p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)},
+        "completion_len_max": float(np.max(lengths)),
         "truncated_frac": float(np.mean([c.finish_reason == "length" for g in groups for c in g])),
     }
     per: dict[str, list[float]] = defaultdict(list)

@@ -58,6 +58,12 @@ class EmbeddedRolloutConfig(StrictModel):
     actors: int = Field(0, ge=0)
     cpus_per_actor: float = Field(0.5, gt=0)
     sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    batching: Literal["auto", "static", "continuous"] = Field(
+        "auto",
+        description="static: decode the step's batch until its last row ends; continuous: "
+        "slots refilled as rows end and re-packed as they thin (models.continuous); auto: "
+        "continuous on CUDA, static on the CPU",
+    )
 
 
 class RolloutConfig(StrictModel):

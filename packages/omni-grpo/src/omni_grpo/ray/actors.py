@@ -261,7 +261,7 @@ class RolloutActor:
         from omni_grpo.backends.torch_backend import resolve_device
         from omni_grpo.models import load_thinker
         from omni_grpo.models.sideband import media_token_ids
-        from omni_grpo.rollout.embedded import EmbeddedEngine
+        from omni_grpo.rollout.embedded import EmbeddedEngine, resolve_batching
         from omni_grpo.run.process import configure_threads
 
         configure_threads()
@@ -287,6 +287,7 @@ class RolloutActor:
             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
             version_fn=lambda: self.version,
             banned_token_ids=banned,
+            batching=resolve_batching(self.cfg.rollout.embedded.batching, device.type == "cuda"),
         )
         log.info("rollout actor %d ready on %s", self.index, device)
         return {"device": str(device), "banned_token_ids": banned, "pid": os.getpid()}
