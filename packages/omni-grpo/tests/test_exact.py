@@ -51,7 +51,82 @@ def test_config_refuses_where_exactness_cannot_hold(overrides: list[str], fragme
 def test_config_accepts_the_supported_setting() -> None:
     cfg = load_config(None, ["rollout.exact_logprobs=true", "trainer.lora={rank: 8}"])
     assert cfg.rollout.exact_logprobs and cfg.trainer.lora is not None
-    assert load_config(None, []).rollout.exact_logprobs is False
+    assert load_config(None, []).rollout.exact_logprobs == "auto"
+
+
+# ----------------------------------------------------------------------- the default: auto
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["trainer.compile=true"], "needs trainer.compile off"),
+        (
+            ["trainer.gradient_checkpointing=true", "trainer.checkpoint_policy=selective"],
+            "needs trainer.checkpoint_policy layer",
+        ),
+        (["trainer.device=cpu"], "needs a CUDA device"),
+        (["rollout.max_staleness=1"], "rollout.max_staleness 1 samples with weights one version"),
+    ],
+)
+def test_auto_is_off_with_its_reasons_where_it_cannot_hold(
+    overrides: list[str], fragment: str
+) -> None:
+    from omni_grpo.loop.components import resolve_exact
+
+    cfg = load_config(None, overrides)  # accepted: auto never refuses
+    cuda_model = SimpleNamespace(lm_head=SimpleNamespace(weight=_cuda_bf16_weight()))
+    on, line = resolve_exact(cfg, cuda_model)
+    assert not on and line.startswith("rollout.exact_logprobs: off (auto): ")
+    assert fragment in line and "\n" not in line
+
+
+def test_auto_is_on_where_it_holds_and_says_so() -> None:
+    from omni_grpo.loop.components import resolve_exact
+
+    cfg = load_config(None, ["trainer.lora={rank: 8}"])
+    on, line = resolve_exact(
+        cfg, SimpleNamespace(lm_head=SimpleNamespace(weight=_cuda_bf16_weight()))
+    )
+    assert on and line.startswith("rollout.exact_logprobs: on (auto)")
+
+
+def test_auto_on_a_cpu_model_and_on_ray_actors_is_off() -> None:
+    from omni_grpo.exact import ExactLogprobsUnsupported
+    from omni_grpo.loop.components import resolve_exact
+
+    cfg = load_config(None, [])
+    on, line = resolve_exact(cfg, SimpleNamespace(lm_head=torch.nn.Linear(4, 4)))
+    assert not on and "needs the model on a CUDA device (it is on cpu)" in line
+    assert "turn the option off" not in line  # auto turned it off: no advice to do so
+    on, line = resolve_exact(load_config(None, ["rollout.embedded.actors=1"]), None)
+    assert not on and "in-process embedded engine" in line and "Ray scale path" in line
+    assert resolve_exact(load_config(None, ["rollout.exact_logprobs=false"]), None) == (
+        False,
+        "rollout.exact_logprobs: off (false in the config)",
+    )
+    with pytest.raises(ExactLogprobsUnsupported, match="true, but the Ray scale path"):
+        resolve_exact(load_config(None, ["rollout.exact_logprobs=true"]), None)
+
+
+def test_the_run_states_it_in_its_first_lines(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from omni_grpo.trainer import log_first_lines
+
+    parts = SimpleNamespace(exact=(False, "rollout.exact_logprobs: off (auto): a reason"))
+    with caplog.at_level(logging.INFO, logger="omni_grpo.trainer"):
+        log_first_lines(load_config(None, []), parts)  # type: ignore[arg-type]
+    assert "rollout.exact_logprobs: off (auto): a reason" in caplog.text
+
+
+class _FakeWeight:
+    """What ``check_supported`` reads of a weight: a CUDA device, bf16 (no GPU needed)."""
+
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+
+
+def _cuda_bf16_weight() -> Any:
+    return _FakeWeight()
 
 
 def test_enable_refuses_a_cpu_model_in_one_line() -> None:

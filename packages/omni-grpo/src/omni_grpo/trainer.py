@@ -460,7 +460,8 @@ def log_first_lines(cfg: OmniGRPOConfig, parts: RunComponents) -> None:
     """The run's opening statements: what it does that the config alone does not make plain.
     A new one (a setting's consequence worth a line before step 1) goes here."""
     overlap = bool(cfg.rollout.max_staleness)
-    if cfg.rollout.exact_logprobs and overlap and parts.ray_run is None:
+    log.info(parts.exact[1])
+    if parts.exact[0] and overlap:
         log.info(
             "rollout.exact_logprobs with rollout.max_staleness 1: samples are one policy "
             "version old, so train_rollout_logprob_exact_fraction measures the staleness"

@@ -49,6 +49,7 @@ from omni_grpo.config.root import (
     OmniGRPOConfig,
     contradictions,
     exact_logprobs_refusals,
+    exact_obstacles,
     megatron_refusals,
 )
 from omni_grpo.config.run import RunConfig
@@ -106,6 +107,7 @@ __all__ = [
     "default_media_root",
     "dump_config",
     "exact_logprobs_refusals",
+    "exact_obstacles",
     "format_validation_error",
     "is_secret_key",
     "load_config",

@@ -86,11 +86,13 @@ class RolloutConfig(StrictModel):
         "are generated while this step trains, so a sample is at most one policy version old "
         "(omni_grpo.rollout.overlap; corrected by algo.tis)",
     )
-    exact_logprobs: bool = Field(
-        False,
+    exact_logprobs: Literal["auto"] | bool = Field(
+        "auto",
         description="embedded engine, torch backend, CUDA, bf16: the rollout's and the trainer's "
         "logprob of every sampled token are bitwise equal (row-invariant kernels in both "
-        "forwards, omni_grpo.exact; docs/exact-logprobs.md)",
+        "forwards, omni_grpo.exact; docs/exact-logprobs.md). auto: on wherever it can hold "
+        "(the run's first lines say whether it is on, and why not); true: refused where it "
+        "cannot hold",
     )
 
     @field_validator("engine")

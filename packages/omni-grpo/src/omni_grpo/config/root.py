@@ -110,7 +110,16 @@ def contradictions(cfg: OmniGRPOConfig) -> list[str]:
 
 
 def exact_logprobs_refusals(cfg: OmniGRPOConfig) -> list[str]:
-    """Where ``rollout.exact_logprobs`` cannot hold, one sentence each (empty when it is off).
+    """Where an explicit ``rollout.exact_logprobs: true`` cannot hold, one sentence each (empty
+    when it is off or ``auto``: ``auto`` turns it off there instead, see ``exact_obstacles``)."""
+    if cfg.rollout.exact_logprobs is not True:
+        return []
+    return exact_obstacles(cfg)
+
+
+def exact_obstacles(cfg: OmniGRPOConfig) -> list[str]:
+    """Why ``rollout.exact_logprobs`` cannot hold for ``cfg``, one sentence each (the settings
+    alone; the device, dtype and Triton are checked when the model is switched).
 
     The bitwise equality needs the rollout and the trainer to run the same module with the same
     kernels: one process (the embedded engine sharing the torch backend's module). Ray rollout
@@ -119,8 +128,6 @@ def exact_logprobs_refusals(cfg: OmniGRPOConfig) -> list[str]:
     processes hold their own copies. The device and dtype are checked again when the model is
     switched (``omni_grpo.exact.check_supported``), where ``auto`` has been resolved.
     """
-    if not cfg.rollout.exact_logprobs:
-        return []
     out = []
     where = "rollout.exact_logprobs"
     if cfg.rollout.engine != "embedded":

@@ -37,6 +37,8 @@ class RunComponents:
     engine: RolloutEngine
     sync: WeightSync | None
     ray_run: RayRun | None = None
+    # rollout.exact_logprobs as resolved for this run: on or off, and the sentence that says why
+    exact: tuple[bool, str] = (False, "rollout.exact_logprobs: off")
 
     def push_weights(self, version: str) -> dict[str, float]:
         """New weights to an engine that holds its own copy (servers, rollout actors, the
@@ -54,6 +56,44 @@ class RunComponents:
         self.backend.close()
         if self.ray_run is not None:
             self.ray_run.close()
+
+
+def resolve_exact(cfg: OmniGRPOConfig, policy: Any) -> tuple[bool, str]:
+    """``rollout.exact_logprobs`` for this run: (on, the sentence the run's first lines say).
+
+    ``true`` was checked against the settings when the config loaded; here the model's device,
+    dtype and Triton are (a refusal raises). ``auto`` is on wherever nothing stands in the way and
+    off, with every reason, elsewhere: the Ray scale path (trainer or rollout actors),
+    overlapped rollouts (a sample one policy version old cannot equal the trainer's logprob),
+    and what ``config.exact_obstacles`` names (engine, backend, CPU, float32, compile, ...).
+    """
+    from omni_grpo.config import exact_obstacles
+    from omni_grpo.exact import ExactLogprobsUnsupported, check_supported
+
+    setting = cfg.rollout.exact_logprobs
+    if setting is False:
+        return False, "rollout.exact_logprobs: off (false in the config)"
+    reasons = [] if setting is True else exact_obstacles(cfg)
+    if policy is None:  # trainer ranks or rollout actors in other processes
+        reasons.append("the Ray scale path (trainer or rollout actors) does not run it yet")
+    elif setting == "auto" and cfg.rollout.max_staleness:
+        reasons.append("rollout.max_staleness 1 samples with weights one version old")
+    if not reasons:
+        try:
+            check_supported(policy)
+        except ExactLogprobsUnsupported as err:
+            if setting is True:
+                raise
+            reasons.append(str(err).split(";")[0])
+    if reasons and setting is True:
+        raise ExactLogprobsUnsupported("rollout.exact_logprobs: true, but " + "; ".join(reasons))
+    if reasons:
+        return False, "rollout.exact_logprobs: off (auto): " + "; ".join(reasons)
+    how = "auto" if setting == "auto" else "true"
+    return True, (
+        f"rollout.exact_logprobs: on ({how}): every rollout logprob is computed by the "
+        "trainer's kernels, bit for bit"
+    )
 
 
 def start_components(
@@ -84,12 +124,14 @@ def start_components(
             vocab_size=len(tokenizer),
             media_ids=media_ids,
         )
-        return RunComponents(ray_run.backend, ray_run.engine, ray_run.sync, ray_run)
+        exact = resolve_exact(cfg, None)
+        return RunComponents(ray_run.backend, ray_run.engine, ray_run.sync, ray_run, exact)
 
     backend = create_backend(
         cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_id
     )
-    if cfg.rollout.exact_logprobs:  # before any engine samples from the policy
+    exact = resolve_exact(cfg, getattr(backend, "policy", None))
+    if exact[0]:  # before any engine samples from the policy
         from omni_grpo.exact import enable_exact_logprobs
 
         enable_exact_logprobs(backend.policy)
@@ -107,7 +149,8 @@ def start_components(
     if cfg.rollout.engine not in IN_PROCESS:  # remote engines need new weights after each step
         from omni_grpo.sync import make_weight_sync
 
-        return RunComponents(backend, engine, make_weight_sync(cfg.rollout.sglang, run_dir=run_dir))
+        sync = make_weight_sync(cfg.rollout.sglang, run_dir=run_dir)
+        return RunComponents(backend, engine, sync, exact=exact)
     if cfg.rollout.max_staleness:
         # Sampling one step ahead needs weights the optimizer is not changing: a snapshot of the
         # policy, refreshed by the same push as any other engine (rollout/overlap.py).
@@ -117,5 +160,5 @@ def start_components(
                 cfg.rollout, policy=module, version_fn=version_fn, **context
             ),
         )
-        return RunComponents(backend, snapshot, snapshot)
-    return RunComponents(backend, engine, None)
+        return RunComponents(backend, snapshot, snapshot, exact=exact)
+    return RunComponents(backend, engine, None, exact=exact)
