@@ -10,7 +10,9 @@ group of a step goes into ONE generation batch: the prompts are left-padded to a
 their media collated; each prompt is prefilled once (its vision/audio towers run once, not once
 per sample) and its KV cache copied to the group's ``n`` decode rows, so a step costs one
 prefill over the distinct prompts and ``max_new_tokens`` decode steps over all samples
-(batches are split only above ``max_batch_rows`` rows). The logprob of each sampled token is taken from the same (temperature
+(batches are split only above ``max_batch_rows`` rows). That is the ``static`` decoder; with
+``batching: continuous`` (``rollout.embedded.batching``, the default on CUDA) the samples go
+through at most ``max_batch_rows`` decode slots refilled as rows end (``models.continuous``). The logprob of each sampled token is taken from the same (temperature
 scaled) distribution it was drawn from, which is what the trainer recomputes without a cache, so
 their difference measures the cache/padding/numerics mismatch only.
 """
