@@ -15,7 +15,12 @@ import torch
 from omni_extract import extract
 from omni_grpo.models import load_thinker
 from omni_grpo.models.continuous import Prefilled, plan_slots, sample_noise
-from omni_grpo.models.generation import KVCacheTooLarge, generate, to_left_padding
+from omni_grpo.models.generation import (
+    ContextTooLong,
+    KVCacheTooLarge,
+    generate,
+    to_left_padding,
+)
 from omni_grpo.testing.models import Ids, build_batch
 
 TOL = 1e-5
@@ -195,3 +200,13 @@ def test_a_slot_that_cannot_fit_is_refused_before_allocation(monkeypatch):
     monkeypatch.setattr(cont, "free_device_bytes", lambda device: 40 << 30)
     assert plan_slots(pre, 256, 4096, torch.device("cuda"), cap=512) == 52
     assert plan_slots(pre, 16, 4096, torch.device("cuda"), cap=512) == 16
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_a_prompt_past_the_context_is_refused_before_any_forward(thinker, batch, batching):
+    media = dict(batch)
+    ids, mask = media.pop("input_ids"), media.pop("attention_mask")
+    longest = int(mask.sum(-1).max())
+    context = thinker.config.text_config.max_position_embeddings
+    with pytest.raises(ContextTooLong, match=f"a prompt of {longest} tokens plus .* {context} "):
+        generate(thinker, ids, mask, max_new_tokens=context, batching=batching, **media)

@@ -249,6 +249,7 @@ def generate(
     suppress = torch.tensor(sorted(set(suppress_token_ids)), dtype=torch.long, device=device)
     stop = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long, device=device)
     limits = _row_limits(row_limits, input_ids.shape[0] * repeats, max_new_tokens, device)
+    check_context(thinker, int(attention_mask.sum(-1).max()), max_new_tokens)
     media = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in media.items()}
     sample = {
         "temperature": temperature,
@@ -312,6 +313,25 @@ def generate(
     finally:
         thinker.train(was_training)
     return _finish(tokens, logprobs, stop, limits, pad_token_id)
+
+
+class ContextTooLong(ValueError):
+    """A prompt plus its completion budget is longer than the model's context."""
+
+
+def check_context(thinker: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse, before any forward, a prompt whose tokens plus ``max_new_tokens`` exceed the text
+    model's ``max_position_embeddings``: positions past it were never trained, and the KV of
+    such a row is allocated for nothing."""
+    text = getattr(thinker.config, "text_config", None) or thinker.config
+    context = getattr(text, "max_position_embeddings", None)
+    if context is not None and prompt_tokens + max_new_tokens > int(context):
+        raise ContextTooLong(
+            f"a prompt of {prompt_tokens} tokens plus rollout.sampling.max_new_tokens "
+            f"{max_new_tokens} exceeds the model's context of {int(context)} positions "
+            "(text_config.max_position_embeddings): shorten the media (data.audio_max_seconds, "
+            "data.max_frames, data.image_max_pixels) or lower max_new_tokens"
+        )
 
 
 def _row_limits(
