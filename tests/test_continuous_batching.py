@@ -141,22 +141,7 @@ def test_stop_token_ends_a_row_and_is_kept(thinker, batch):
     limits = torch.full((6,), 12)
     probe = _generate(thinker, batch, limits, max_slots=2)
     stop = int(probe.tokens[1, 2])  # the token row 1 drew third
-    media = dict(batch)
-    ids, mask = media.pop("input_ids"), media.pop("attention_mask")
-    torch.manual_seed(11)
-    result = generate(
-        thinker,
-        ids,
-        mask,
-        max_new_tokens=12,
-        temperature=0.9,
-        repeats=2,
-        row_limits=limits,
-        stop_token_ids=[stop],
-        batching="continuous",
-        max_slots=2,
-        **media,
-    )
+    result = _generate(thinker, batch, limits, max_slots=2, stop_token_ids=[stop])
     assert result.finish_reasons[1] == "stop" and int(result.lengths[1]) <= 3
     assert result.tokens[1, int(result.lengths[1]) - 1] == stop
 
