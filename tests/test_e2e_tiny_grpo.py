@@ -49,6 +49,9 @@ def test_train_cli_improves_reward(tmp_path: Path) -> None:
     assert {"entropy/image", "zero_variance_frac/image", "no_signal_steps/image"} <= set(
         records[-1]
     )
+    lengths = ("completion_len_p50", "completion_len_p90", "completion_len_p99")
+    assert {*lengths, "completion_len_max", "time/generation_tokens_per_s"} <= set(records[-1])
+    assert records[-1]["time/generation_tokens_per_s"] > 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 100
 

@@ -34,6 +34,18 @@ def test_rollout_metrics_per_modality_entropy_and_zero_variance() -> None:
     assert m["entropy/video"] == pytest.approx(0.005)
 
 
+def test_rollout_metrics_completion_length_percentiles() -> None:
+    """Long-tailed lengths: the mean alone hides the tail the step waits for."""
+    prompt = PromptInputs(sample=Sample(uid="p", prompt="", label="A"), input_ids=[1])
+    lengths = [1] * 90 + [10] * 9 + [1000]
+    group = [Completion(prompt, [7] * n, [0.0] * n, "stop") for n in lengths]
+    m = rollout_metrics([group], torch.zeros(1, len(group)))
+    assert m["completion_len_p50"] == 1.0 and m["completion_len_max"] == 1000.0
+    assert m["completion_len_p90"] == pytest.approx(1.9)  # numpy's linear interpolation
+    assert 10.0 < m["completion_len_p99"] < 1000.0
+    assert m["completion_len_mean"] == pytest.approx((90 + 90 + 1000) / 100)
+
+
 def _step(signal: float, reward: float, modality: str = "video") -> dict[str, float]:
     return {f"signal/{modality}": signal, f"reward/{modality}": reward}
 
