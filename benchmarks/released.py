@@ -39,11 +39,13 @@ AUDIO = {
 
 
 def make_skeleton(dst: Path) -> Path:
-    """A tiny real-vocabulary Omni checkpoint extracted to ``dst/vl`` + ``dst/audio``: the
-    config, tokenizer, processor and sideband files a widened checkpoint reuses."""
+    """A tiny real-vocabulary Omni checkpoint extracted to ``dst/vl`` + ``dst/audio`` (kept from
+    an earlier run): the config, tokenizer, processor and sideband a widened checkpoint reuses."""
     from omni_extract import extract
     from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
+    if (dst / "vl").is_dir() and (dst / "audio").is_dir():  # made by an earlier run
+        return dst
     omni = make_tiny_omni(dst / "omni", TinyOmniSpec(vocab="real", with_talker=False))
     extract(omni, dst / "vl", variant="vl")
     extract(omni, dst / "audio", variant="audio")

@@ -30,6 +30,13 @@ import released
 import torch
 
 QUESTION = "What is shown here? Describe the colours, then answer in one word."
+# our run's settings in TRL's words: constant LR, token-mean loss over the step (dapo), clip
+# 0.2 / 0.28, no KL, group-std advantages, plain sampling; logging only, no saves
+TRL_MATCHED = dict(lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, beta=0.0)
+TRL_MATCHED |= dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group")
+TRL_MATCHED |= dict(temperature=1.0, top_p=1.0, top_k=0, max_grad_norm=1.0, logging_steps=1)
+TRL_MATCHED |= dict(report_to="none", save_strategy="no", shuffle_dataset=False)
+TRL_MATCHED |= dict(dataloader_num_workers=0)
 # what lora_memory.py and one_gpu_thinker.py import from here
 REAL_TEXT, REAL_VISION, make_skeleton = released.TEXT, released.VISION, released.make_skeleton
 
@@ -178,31 +185,24 @@ def run_trl(
     an already built ``Qwen3VLMoeForConditionalGeneration`` (``benchmarks/one_gpu_thinker.py``
     draws the 48-layer one on the GPU) instead of loading ``vl``'s weights; ``peft_config`` is
     handed to the trainer, which wraps the model with peft itself."""
+    import transformers as tf
     from datasets import Dataset
     from PIL import Image
-    from transformers import (
-        AutoImageProcessor,
-        AutoTokenizer,
-        Qwen3VLMoeForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-        TrainerCallback,
-    )
     from trl import GRPOConfig, GRPOTrainer
 
     device = args.device
     if model is None:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(vl, dtype=dtype).to(device)
+        model = tf.Qwen3VLMoeForConditionalGeneration.from_pretrained(vl, dtype=dtype).to(device)
     for name, p in model.named_parameters():  # frozen vision tower, as ours by default
         p.requires_grad_(not name.startswith("model.visual."))
     try:  # the video processor needs torchvision (on the GPU image, not in every CPU venv)
-        video_processor = Qwen3VLVideoProcessor(do_sample_frames=False)  # frames given as files
+        video_processor = tf.Qwen3VLVideoProcessor(do_sample_frames=False)  # frames given as files
     except ImportError:
         video_processor = None
-    processor = Qwen3VLProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(vl),
-        tokenizer=AutoTokenizer.from_pretrained(vl),
+    processor = tf.Qwen3VLProcessor(
+        image_processor=tf.AutoImageProcessor.from_pretrained(vl),
+        tokenizer=tf.AutoTokenizer.from_pretrained(vl),
         video_processor=video_processor,
         chat_template=json.loads((vl / "chat_template.json").read_text())["chat_template"],
     )
@@ -232,7 +232,7 @@ def run_trl(
         tokens.append(sum(len(c) for c in completion_ids))
         return [reward_text(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
 
-    class StepEnds(TrainerCallback):
+    class StepEnds(tf.TrainerCallback):
         def on_train_begin(self, *a: Any, **k: Any) -> None:
             ends.append(harness.now(device))
 
@@ -247,27 +247,11 @@ def run_trl(
         max_completion_length=args.max_new_tokens,
         max_steps=args.warmup + args.steps,
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        loss_type="dapo",
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=0.0,
-        scale_rewards="group",
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
         bf16=device == "cuda",
         gradient_checkpointing=gradient_checkpointing,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        shuffle_dataset=False,
-        dataloader_num_workers=0,
         seed=args.seed,
         use_cpu=device == "cpu",
+        **TRL_MATCHED,
     )
     trainer = GRPOTrainer(
         model=model,
