@@ -7,11 +7,13 @@ docs/benchmarks.md, "Methods".
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,34 @@ def ratios(prefix: str, runs: list[dict[str, Any]], base: list[dict[str, Any]]) 
         f"{prefix}_cached": round(theirs / ours, 3),
         f"{prefix}_durable": round(theirs_d / ours_d, 3),
     }
+
+
+def measured(total: int, runs: list[dict[str, Any]], note: str, **facts: Any) -> dict[str, Any]:
+    """The measured side's section: GB/s, each run's times, ``facts``, output and peak RSS."""
+    times = ("seconds", "durable_seconds", "import_seconds")
+    return {
+        **gbps(total, runs),
+        "runs": [{k: round(r[k], 3) for k in times} for r in runs],
+        **facts,
+        "largest_output_shard_bytes": runs[-1]["largest_output_shard_bytes"],
+        "peak_rss_bytes": max(r["max_rss_bytes"] for r in runs),
+        "note": note,
+    }
+
+
+def options(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """``--workdir`` (kept between runs with ``--keep``), ``--layers`` (MoE layers, ~1.2 GB of
+    experts each), ``--shard-mb`` (input and output shards), ``--repeats``."""
+    work = Path(tempfile.gettempdir()) / f"omni-{name}-bench"
+    return harness.parser(doc, workdir=work, layers=2, shard_mb=1000, repeats=3, keep=False)
+
+
+def generated(facts: Path, make: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    """``make()``'s size facts and seconds, or those of an earlier run kept in ``facts``."""
+    with harness.timed() as t:
+        if not facts.exists():
+            facts.write_text(json.dumps(make()))
+    return json.loads(facts.read_text()), t.s
 
 
 def machine() -> dict[str, Any]:

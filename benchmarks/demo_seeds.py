@@ -119,12 +119,10 @@ def collapses(
                 open_event = {"modality": m, "kind": "train_reward", "step": record["step"]}
                 events.append(open_event)
             open_event["value"] = min(open_event.get("value", math.inf), round(mean, 3))
-        late = [r for r in records if r["step"] > learned]
-        first = next(
-            (r["step"] for r in late if r.get(f"no_signal_steps/{m}", 0) >= warn_after), None
-        )
-        if warn_after and first is not None:
-            events.append({"modality": m, "kind": "no_signal", "step": first})
+        key = f"no_signal_steps/{m}"
+        lost = [r["step"] for r in records if r["step"] > learned and r.get(key, 0) >= warn_after]
+        if warn_after and lost:
+            events.append({"modality": m, "kind": "no_signal", "step": lost[0]})
     return events
 
 
@@ -161,18 +159,12 @@ def run_one(
         return out
     records = harness.train_metrics(run_dir)
     history = eval_history(records)
-    out["final"] = {m: history[m][-1][1] for m in MODALITIES if history[m]}
-    out["learned_at"] = {
-        m: next((s for s, v in history[m] if v >= TARGET), None) for m in MODALITIES
-    }
+    final = {m: history[m][-1][1] for m in MODALITIES if history[m]}
+    learned = {m: next((s for s, v in history[m] if v >= TARGET), None) for m in MODALITIES}
     warn = yaml.safe_load((run_dir / "config.yaml").read_text()).get("run", {})
-    out["collapses"] = collapses(
-        records, chance_levels(run_dir), int(warn.get("collapse_warn_steps", 0))
-    )
-    out["pass"] = (
-        all(out["final"].get(m, 0.0) >= TARGET for m in MODALITIES) and not out["collapses"]
-    )
-    return out
+    found = collapses(records, chance_levels(run_dir), int(warn.get("collapse_warn_steps", 0)))
+    passes = all(final.get(m, 0.0) >= TARGET for m in MODALITIES) and not found
+    return out | {"final": final, "learned_at": learned, "collapses": found, "pass": passes}
 
 
 def sweep(order: list[tuple[str, int, int]], configs: dict, work: Path | None) -> tuple[dict, bool]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,37 +62,31 @@ def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    work = Path(tempfile.gettempdir()) / "omni-export-bench"
-    ap = harness.parser(__doc__, workdir=work, layers=2, shard_mb=1000, repeats=3, keep=False)
-    args = ap.parse_args()
-    work = args.workdir
+    args = ck.options(__doc__, "export").parse_args()
+    work, shard = args.workdir, args.shard_mb * 1000**2
     base, run = work / "omni-base", work / "run"
     work.mkdir(parents=True, exist_ok=True)
-    with harness.timed() as gen:
-        if (base / "bench_facts.json").exists() and (run / "config.yaml").exists():
-            facts = json.loads((base / "bench_facts.json").read_text())
-        else:
-            shutil.rmtree(base, ignore_errors=True)
-            shutil.rmtree(run, ignore_errors=True)
-            facts = ck.generate_checkpoint(base, args.layers, args.shard_mb * 1000**2)
-            facts.update(make_run(run, base, args.shard_mb * 1000**2))
-            (base / "bench_facts.json").write_text(json.dumps(facts))
-    runs = ck.rounds(
-        work,
-        args.repeats,
-        {
-            "copy": ((base,), lambda dst: ck.child("copy", base, dst)),
-            "copy_in_process": ((base,), lambda dst: ck.copy_shards(base, dst)),
-            "ranges": ((run, base), lambda dst: ck.child("ranges", run, dst)),
-            "export": ((run, base), lambda dst: ck.child("export", run, dst)),
-        },
-    )
+    if not (run / "config.yaml").exists() or not (base / "bench_facts.json").exists():
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+
+    def make() -> dict[str, Any]:
+        return ck.generate_checkpoint(base, args.layers, shard) | make_run(run, base, shard)
+
+    facts, gen_s = ck.generated(base / "bench_facts.json", make)
+    sides = {
+        "copy": ((base,), lambda dst: ck.child("copy", base, dst)),
+        "copy_in_process": ((base,), lambda dst: ck.copy_shards(base, dst)),
+        "ranges": ((run, base), lambda dst: ck.child("ranges", run, dst)),
+        "export": ((run, base), lambda dst: ck.child("export", run, dst)),
+    }
+    runs = ck.rounds(work, args.repeats, sides)
     total, exp = facts["total_bytes"], runs["export"]
-    rss = max(r["max_rss_bytes"] for r in exp)
-    out_shard = exp[-1]["largest_output_shard_bytes"]
-    timing = ("seconds", "durable_seconds", "import_seconds")
+    note = "GB/s over output bytes; timed inside the process, imports excluded"
+    first = {"tensors": exp[0]["tensors"], "replaced": exp[0]["replaced"]}
+    side = ck.measured(total, exp, note, **first, output_bytes=exp[0]["bytes"])
     result: dict[str, Any] = {
-        "checkpoint": {**facts, "generate_seconds": round(gen.s, 1), "dtype": "bfloat16"},
+        "checkpoint": {**facts, "generate_seconds": round(gen_s, 1), "dtype": "bfloat16"},
         "copy": {
             "method": "shutil.copyfile of the base's shard files, in a child with the export "
             "child's imports",
@@ -109,20 +102,13 @@ def main() -> None:
             "ranges": runs["ranges"][-1]["ranges"],
             **ck.gbps(total, runs["ranges"]),
         },
-        "export": {
-            **ck.gbps(total, exp),
-            "runs": [{k: round(r[k], 3) for k in timing} for r in exp],
-            "tensors": exp[0]["tensors"],
-            "replaced": exp[0]["replaced"],
-            "output_bytes": exp[0]["bytes"],
-            "largest_output_shard_bytes": out_shard,
-            "peak_rss_bytes": rss,
-            "note": "GB/s over output bytes; timed inside the process, imports excluded",
-        },
+        "export": side,
         **ck.ratios("export_vs_same_ranges", exp, runs["ranges"]),
         **ck.ratios("export_vs_copy_throughput", exp, runs["copy"]),
         **ck.ratios("export_vs_in_process_copy", exp, runs["copy_in_process"]),
-        "peak_rss_vs_largest_shard": round(rss / out_shard, 3),
+        "peak_rss_vs_largest_shard": round(
+            side["peak_rss_bytes"] / side["largest_output_shard_bytes"], 3
+        ),
         "targets": {"export_vs_copy_throughput": ">= 0.70", "peak_rss_vs_largest_shard": "<= 1.5"},
         "machine": ck.machine(),
     }

@@ -10,10 +10,8 @@ Targets: >= 0.7 of a copy's throughput, peak RSS <= 1.2 (largest input + output 
 
 from __future__ import annotations
 
-import json
 import shutil
-import tempfile
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import checkpoints as ck
@@ -21,64 +19,45 @@ import harness
 
 
 def main() -> None:
-    work = Path(tempfile.gettempdir()) / "omni-extract-bench"
-    ap = harness.parser(__doc__, workdir=work, layers=2, shard_mb=1000, repeats=3)  # MoE layers
-    args = harness.add_options(ap, skip_naive=False, keep=False).parse_args()
-    shard = args.shard_mb * 1000**2
-    work, src = args.workdir, args.workdir / "omni-src"
+    args = harness.add_options(ck.options(__doc__, "extract"), skip_naive=False).parse_args()
+    shard, work, src = args.shard_mb * 1000**2, args.workdir, args.workdir / "omni-src"
     if src.exists() and not (src / "config.json").exists():
         shutil.rmtree(src)
     work.mkdir(parents=True, exist_ok=True)
-    with harness.timed() as gen:
-        if (src / "bench_facts.json").exists():
-            facts = json.loads((src / "bench_facts.json").read_text())
-        else:
-            facts = ck.generate_checkpoint(src, args.layers, shard)
-            (src / "bench_facts.json").write_text(json.dumps(facts))
-    runs = ck.rounds(
-        work,
-        args.repeats,
-        {
-            "copy": ((), lambda dst: ck.child("copy", src, dst)),
-            "copy_in_process": ((), lambda dst: ck.copy_shards(src, dst)),
-            "vl": ((), lambda dst: ck.child("vl", src, dst, shard)),
-        },
-    )
-    total, vl = facts["total_bytes"], runs["vl"]
-    rss = max(r["max_rss_bytes"] for r in vl)
-    out_shard = vl[-1]["largest_output_shard_bytes"]
-    timing = ("seconds", "durable_seconds")
+    make = partial(ck.generate_checkpoint, src, args.layers, shard)
+    facts, gen_s = ck.generated(src / "bench_facts.json", make)
+    sides = {
+        "copy": ((), lambda dst: ck.child("copy", src, dst)),
+        "copy_in_process": ((), lambda dst: ck.copy_shards(src, dst)),
+        "vl": ((), lambda dst: ck.child("vl", src, dst, shard)),
+    }
+    runs = ck.rounds(work, args.repeats, sides)
+    total, vl, copies = facts["total_bytes"], runs["vl"], runs["copy"]
+    note = "GB/s over input bytes; timed inside the process, imports excluded"
+    side = ck.measured(total, vl, note, output_bytes=vl[0]["bytes"], output_shards=vl[0]["shards"])
+    rss = side["peak_rss_bytes"]
+    budget = facts["largest_shard_bytes"] + side["largest_output_shard_bytes"]
     result: dict[str, Any] = {
         "checkpoint": {
             **facts,
-            "generate_seconds": round(gen.s, 1),
+            "generate_seconds": round(gen_s, 1),
             "dtype": "bfloat16",
             "note": "hub layout, released widths, fewer layers; shards cut through expert lists",
         },
         "copy": {
             "method": "shutil.copyfile of the same shard files, same disk, in a child with the "
             "vl child's imports",
-            **ck.gbps(total, runs["copy"]),
-            "runs": [{k: round(r[k], 3) for k in timing} for r in runs["copy"]],
+            **ck.gbps(total, copies),
+            "runs": [{k: round(r[k], 3) for k in ("seconds", "durable_seconds")} for r in copies],
         },
-        "vl_extract": {
-            **ck.gbps(total, vl),
-            "runs": [{k: round(r[k], 3) for k in (*timing, "import_seconds")} for r in vl],
-            "output_bytes": vl[0]["bytes"],
-            "output_shards": vl[0]["shards"],
-            "largest_output_shard_bytes": out_shard,
-            "peak_rss_bytes": rss,
-            "note": "GB/s over input bytes; timed inside the process, imports excluded",
-        },
+        "vl_extract": side,
         "copy_in_process": {
             "method": "the same copy inside this long-running process (no import pause before it)",
             **ck.gbps(total, runs["copy_in_process"]),
         },
         **ck.ratios("vl_vs_in_process_copy", vl, runs["copy_in_process"]),
-        **ck.ratios("vl_vs_copy_throughput", vl, runs["copy"]),
-        "peak_rss_vs_largest_input_plus_output_shard": round(
-            rss / (facts["largest_shard_bytes"] + out_shard), 3
-        ),
+        **ck.ratios("vl_vs_copy_throughput", vl, copies),
+        "peak_rss_vs_largest_input_plus_output_shard": round(rss / budget, 3),
         "targets": {"vl_vs_copy_throughput": ">= 0.70", "peak_rss_ratio": "<= 1.2"},
         "machine": ck.machine(),
     }
