@@ -48,8 +48,7 @@ GIB = 1 << 30
 
 
 def parser(doc: str | None, **options: Any) -> argparse.ArgumentParser:
-    """The script's parser: its docstring's first paragraph as description, ``--save MACHINE``
-    and ``options`` (:func:`add_options`)."""
+    """The script's docstring's first paragraph, ``--save MACHINE`` and :func:`add_options`."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     ap.add_argument("--save", metavar="MACHINE", help="also write benchmarks/results/NAME_MACHINE")
     return add_options(ap, **options)
@@ -72,7 +71,7 @@ def add_options(ap: argparse.ArgumentParser, **options: Any) -> argparse.Argumen
 
 
 def results_path(name: str, machine: str) -> Path:
-    """``benchmarks/results/<name>_<machine>.json``: what ran, then where (``h200``, ``dev_vm_2cpu``)."""
+    """``benchmarks/results/<name>_<machine>.json``: what ran, then where (``h200``)."""
     return REPO / "benchmarks" / "results" / f"{name}_{machine}.json"
 
 
@@ -99,7 +98,7 @@ def now(device: Any = None) -> float:
 
 @dataclass
 class Timing:
-    s: float = float("nan")
+    s: float = float("nan")  # set when the block ends
 
 
 @contextlib.contextmanager
