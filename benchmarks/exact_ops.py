@@ -1,20 +1,9 @@
 """Where the rollout's and the trainer's values part, op by op, at the thinker's real widths.
 
-For each op of the text model (the linear layers, the grouped expert GEMM, attention, RMSNorm,
-the router softmax, the top-k weighted sum, the token log-softmax) this computes the same rows
-once inside a training-sized batch and once inside a decode-sized one, and reports the share
-of rows that come out bitwise equal — for torch's kernel (what runs with
-``rollout.exact_logprobs`` off) and for ``omni_grpo.exact``'s (on) — and the time of each at
-the training size (median of ``triton.testing.do_bench``) and at the decode size (replayed from a
-CUDA graph as the decode step is: ``do_bench_cudagraph``, so a small op's time is its kernel's,
-not its launch's). Attention's decode time is given for SDPA, for the off path's split-KV kernel
-and for the exact kernel; the experts' LoRA term for both grouped GEMMs.
-
-Attention compares a decode step (one query against a left-padded static KV buffer, the decode
-path's packed-GQA SDPA; ours: the exact kernel) with the full-sequence forward (transformers'
-SDPA with a boolean mask; ours: the same exact kernel) for the same query and keys.
-
-Prints ONE JSON object.
+Each op of the text model (linears, grouped expert GEMM, attention, RMSNorm, router softmax, top-k
+weighted sum, token log-softmax), torch's kernel (``rollout.exact_logprobs`` off) and
+``omni_grpo.exact``'s (on): the share of a decode batch's rows bitwise equal to the same rows in
+a training batch, and the time at both sizes (docs/benchmarks.md, "Methods").
 
     python benchmarks/exact_ops.py            # needs CUDA
 """
@@ -27,6 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import harness
 import torch
 import torch.nn.functional as F
 
@@ -59,15 +49,10 @@ def _equal_rows(part: torch.Tensor, full: torch.Tensor) -> float:
 def linears(dev: torch.device) -> dict[str, Any]:
     from omni_grpo.exact.matmul import linear
 
-    shapes = {
-        "q_proj": (HIDDEN, HEADS * HEAD_DIM),
-        "kv_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
-        "o_proj": (HEADS * HEAD_DIM, HIDDEN),
-        "router": (HIDDEN, EXPERTS),
-        "lora_a": (HIDDEN, 16),
-        "lora_b": (16, HEADS * HEAD_DIM),
-        "lm_head": (HIDDEN, VOCAB),
-    }
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    shapes = {"q_proj": (HIDDEN, q), "kv_proj": (HIDDEN, kv), "o_proj": (q, HIDDEN)}
+    shapes |= {"router": (HIDDEN, EXPERTS), "lora_a": (HIDDEN, 16), "lora_b": (16, q)}
+    shapes["lm_head"] = (HIDDEN, VOCAB)
     out: dict[str, Any] = {}
     for name, (k, n) in shapes.items():
         a = torch.randn(TRAIN_ROWS, k, device=dev, dtype=torch.bfloat16)
@@ -96,13 +81,11 @@ def grouped(dev: torch.device) -> dict[str, Any]:
         x = torch.randn(TRAIN_ROWS, k, device=dev, dtype=torch.bfloat16)
         ids = torch.rand(TRAIN_ROWS, EXPERTS, device=dev).topk(TOP_K, -1).indices
 
-        def layout(
-            tokens: int, ids: torch.Tensor = ids, x: torch.Tensor = x
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            flat = ids[:tokens].reshape(-1)
-            e, perm = torch.sort(flat, stable=True)
-            counts = torch.bincount(e, minlength=EXPERTS)
-            return x[perm // TOP_K], torch.cumsum(counts, 0).to(torch.int32), perm
+        def layout(tokens: int, ids: torch.Tensor = ids, x: torch.Tensor = x) -> tuple:
+            """The first ``tokens`` tokens' (token, expert) pairs sorted by expert: rows, offsets."""
+            e, perm = torch.sort(ids[:tokens].reshape(-1), stable=True)
+            offsets = torch.cumsum(torch.bincount(e, minlength=EXPERTS), 0).to(torch.int32)
+            return x[perm // TOP_K], offsets, perm
 
         row: dict[str, Any] = {"k": k, "n": n}
         xs_t, offs_t, perm_t = layout(TRAIN_ROWS)
@@ -115,9 +98,8 @@ def grouped(dev: torch.device) -> dict[str, Any]:
             part = fn(xs_d, w, offs_d)
             row[f"{label}_equal_rows"] = _equal_rows(part, full[pos_t[perm_d]])
             row[f"{label}_train_ms"] = _bench(partial(fn, xs_t, w, offs_t))
-            row[f"{label}_train_tflops"] = (
-                2 * xs_t.shape[0] * k * n / row[f"{label}_train_ms"] / 1e9
-            )
+            flops = 2 * xs_t.shape[0] * k * n
+            row[f"{label}_train_tflops"] = flops / row[f"{label}_train_ms"] / 1e9
             row[f"{label}_decode_ms"] = _bench_graph(partial(fn, xs_d, w, offs_d))
         out[name] = row
     out["lora_decode"] = _grouped_lora_decode(dev)
@@ -139,58 +121,53 @@ def _grouped_lora_decode(dev: torch.device) -> dict[str, Any]:
         x = torch.randn(perm.numel(), k, device=dev, dtype=torch.bfloat16)
         a_t = torch.randn(EXPERTS, k, rank, device=dev, dtype=torch.bfloat16)
         b_t = torch.randn(EXPERTS, rank, n, device=dev, dtype=torch.bfloat16)
-        out[f"torch_{name}_ms"] = _bench_graph(
-            lambda x=x, a=a_t, b=b_t: grouped_mm(grouped_mm(x, a, offs), b, offs)
-        )
-        out[f"exact_{name}_ms"] = _bench_graph(
-            lambda x=x, a=a_t, b=b_t: gmm(gmm(x, a, offs), b, offs)
-        )
+
+        def lora(mm: Any, x: torch.Tensor = x, a: torch.Tensor = a_t, b: torch.Tensor = b_t) -> Any:
+            return mm(mm(x, a, offs), b, offs)
+
+        for label, mm in (("torch", grouped_mm), ("exact", gmm)):
+            out[f"{label}_{name}_ms"] = _bench_graph(partial(lora, mm))
+    return out
+
+
+def _compare(fns: Any, *rows: torch.Tensor, shared: tuple = (), bench: bool = True) -> dict:
+    """Per (label, fn): the share of the first DECODE_ROWS rows computed alone that equal the
+    same rows computed in the whole batch (``rows`` are cut, ``shared`` not), and the batch's time."""
+    out: dict[str, Any] = {}
+    for label, fn in fns:
+        full = fn(*rows, *shared)
+        part = fn(*(r[:DECODE_ROWS] for r in rows), *shared)
+        out[f"{label}_equal_rows"] = _equal_rows(part, full[:DECODE_ROWS])
+        if bench:
+            out[f"{label}_train_ms"] = _bench(partial(fn, *rows, *shared))
     return out
 
 
 def rowwise(dev: torch.device) -> dict[str, Any]:
     from omni_grpo.exact import rowwise as rw
 
+    bf16 = {"device": dev, "dtype": torch.bfloat16}
     out: dict[str, Any] = {}
-
-    def hf_rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return rw._torch_rmsnorm(x, w, 1e-6)
-
+    rms = (
+        ("torch", partial(rw._torch_rmsnorm, eps=1e-6)),
+        ("exact", partial(rw.rmsnorm, eps=1e-6)),
+    )
     for name, width, rows in (
         ("rmsnorm_hidden", HIDDEN, TRAIN_ROWS),
         ("rmsnorm_head", HEAD_DIM, TRAIN_ROWS * HEADS),
     ):
-        x = torch.randn(rows, width, device=dev, dtype=torch.bfloat16)
-        w = torch.rand(width, device=dev, dtype=torch.bfloat16)
-        row: dict[str, Any] = {}
-        for label, fn in (("torch", hf_rms), ("exact", lambda a, b: rw.rmsnorm(a, b, 1e-6))):
-            full = fn(x, w)
-            row[f"{label}_equal_rows"] = _equal_rows(fn(x[:DECODE_ROWS], w), full[:DECODE_ROWS])
-            row[f"{label}_train_ms"] = _bench(partial(fn, x, w))
-        out[name] = row
-    z = torch.randn(1024, VOCAB, device=dev) * 3
-    tg = torch.randint(0, VOCAB, (1024,), device=dev)
+        x, w = torch.randn(rows, width, **bf16), torch.rand(width, **bf16)
+        out[name] = _compare(rms, x, shared=(w,))
+    z, tg = torch.randn(1024, VOCAB, device=dev) * 3, torch.randint(0, VOCAB, (1024,), device=dev)
 
     def torch_lp(a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(a, -1).gather(-1, t[:, None])[:, 0]
 
-    row = {}
-    for label, fn in (("torch", torch_lp), ("exact", rw.token_logprobs)):
-        full = fn(z, tg)
-        row[f"{label}_equal_rows"] = _equal_rows(
-            fn(z[:DECODE_ROWS], tg[:DECODE_ROWS]), full[:DECODE_ROWS]
-        )
-        row[f"{label}_train_ms"] = _bench(partial(fn, z, tg))
-    out["token_logprob"] = row
+    out["token_logprob"] = _compare((("torch", torch_lp), ("exact", rw.token_logprobs)), z, tg)
     r = torch.randn(TRAIN_ROWS, EXPERTS, device=dev).to(torch.bfloat16)
-    row = {}
-    for label, fn in (
-        ("torch", lambda a: torch.softmax(a, -1, dtype=torch.float)),
-        ("exact", rw.softmax),
-    ):
-        row[f"{label}_equal_rows"] = _equal_rows(fn(r[:DECODE_ROWS]), fn(r)[:DECODE_ROWS])
-    out["router_softmax"] = row
-    pairs = torch.randn(TRAIN_ROWS, TOP_K, HIDDEN, device=dev, dtype=torch.bfloat16)
+    softmax = (("torch", partial(torch.softmax, dim=-1, dtype=torch.float)), ("exact", rw.softmax))
+    out["router_softmax"] = _compare(softmax, r, bench=False)
+    pairs = torch.randn(TRAIN_ROWS, TOP_K, HIDDEN, **bf16)
     wts = torch.rand(TRAIN_ROWS, TOP_K, device=dev).to(torch.bfloat16)
 
     def bmm_sum(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -202,14 +179,7 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
             acc = acc + p[:, s].float() * w[:, s : s + 1].float()
         return acc.to(p.dtype)
 
-    row = {}
-    for label, fn in (("torch_bmm", bmm_sum), ("exact", slot_sum)):
-        full = fn(pairs, wts)
-        row[f"{label}_equal_rows"] = _equal_rows(
-            fn(pairs[:DECODE_ROWS], wts[:DECODE_ROWS]), full[:DECODE_ROWS]
-        )
-        row[f"{label}_train_ms"] = _bench(partial(fn, pairs, wts))
-    out["topk_weighted_sum"] = row
+    out["topk_weighted_sum"] = _compare((("torch_bmm", bmm_sum), ("exact", slot_sum)), pairs, wts)
     return out
 
 
@@ -224,10 +194,8 @@ def attention(dev: torch.device) -> dict[str, Any]:
     k = torch.randn(batch, KV_HEADS, length + extra, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     keys = torch.arange(length, device=dev)
-    full_mask = (keys[None, None] >= starts[:, None, None]) & (
-        keys[None, None] <= keys[None, :, None]
-    )
-    full_mask = full_mask[:, None]
+    causal = keys[None, None] <= keys[None, :, None]
+    full_mask = ((keys[None, None] >= starts[:, None, None]) & causal)[:, None]
     scale = HEAD_DIM**-0.5
 
     class _M(torch.nn.Module):
@@ -238,13 +206,9 @@ def attention(dev: torch.device) -> dict[str, Any]:
     kf, vf = k[:, :, :length], v[:, :, :length]
 
     def torch_full() -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q,
-            kf.repeat_interleave(rep, 1),
-            vf.repeat_interleave(rep, 1),
-            attn_mask=full_mask,
-            scale=scale,
-        ).transpose(1, 2)
+        kr, vr = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+        sdpa = F.scaled_dot_product_attention(q, kr, vr, attn_mask=full_mask, scale=scale)
+        return sdpa.transpose(1, 2)
 
     def exact_full() -> torch.Tensor:
         return ex.attention_forward(_M(), q, kf, vf, full_mask, scaling=scale)[0]
@@ -257,22 +221,15 @@ def attention(dev: torch.device) -> dict[str, Any]:
         for t in positions:
             dmask = torch.zeros(batch, 1, 1, length + extra, dtype=torch.bool, device=dev)
             dmask[:, 0, 0, : t + 1] = keys[: t + 1][None] >= starts[:, None]
-            qt = q[:, :, t : t + 1]
-            if label == "torch":
-                o = gqa_decode_attention(_M(), qt, k, v, dmask, scaling=scale)[0]
-            else:
-                o = ex.attention_forward(_M(), qt, k, v, dmask, scaling=scale)[0]
-            equal.append(
-                _equal_rows(
-                    o[:, 0].reshape(batch * HEADS, -1), full[:, t].reshape(batch * HEADS, -1)
-                )
-            )
+            decode = gqa_decode_attention if label == "torch" else ex.attention_forward
+            o = decode(_M(), q[:, :, t : t + 1], k, v, dmask, scaling=scale)[0]
+            rows = batch * HEADS
+            equal.append(_equal_rows(o[:, 0].reshape(rows, -1), full[:, t].reshape(rows, -1)))
         out[f"{label}_equal_rows"] = dict(zip(map(str, positions), equal, strict=True))
         out[f"{label}_full_ms"] = _bench(full_fn)
     dmask = torch.ones(batch * 8, 1, 1, length + extra, dtype=torch.bool, device=dev)
     qd = torch.randn(batch * 8, HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    kd = k.repeat(8, 1, 1, 1)
-    vd = v.repeat(8, 1, 1, 1)
+    kd, vd = k.repeat(8, 1, 1, 1), v.repeat(8, 1, 1, 1)
     out["torch_decode_ms"] = _bench_graph(
         lambda: gqa_decode_attention(_M(), qd, kd, vd, dmask, scaling=scale)
     )
@@ -288,24 +245,20 @@ def attention(dev: torch.device) -> dict[str, Any]:
 
 
 def main() -> None:
+    args = harness.parser(__doc__).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("exact_ops.py needs a CUDA device")
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    result: dict[str, Any] = {"benchmark": "exact_ops", "device": torch.cuda.get_device_name()}
-    for name, fn in (
-        ("linear", linears),
-        ("grouped", grouped),
-        ("rowwise", rowwise),
-        ("attention", attention),
-    ):
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    ops = {"linear": linears, "grouped": grouped, "rowwise": rowwise, "attention": attention}
+    for name, fn in ops.items():
         try:
             result[name] = fn(dev)
         except Exception as err:  # report the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
-    result["versions"] = {"torch": torch.__version__}
-    print(json.dumps(result))
+    harness.emit("exact_ops", result, args.save)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,8 @@
 """LoRA vs full fine-tuning: GRPO step throughput and peak memory, same model and batch, same run.
 
-Each variant runs in its own spawned process, so its peak RSS (CPU) or peak CUDA allocation is its
-own: the tiny thinker of ``omni_grpo.testing.rollouts.rollout_world`` (seeded: both variants get
-the same weights and the same rollout batch), one warm-up step, then ``--steps`` timed steps.
-Prints one JSON object: each variant's samples/s, peak memory, trainable parameters and optimizer
-state bytes, and LoRA's ratios to full fine-tuning.
+Each variant in its own process (its peaks are its own) on the seeded tiny thinker and rollout
+batch of ``omni_grpo.testing.rollouts.rollout_world``, one warm-up step, then ``--steps`` timed:
+samples/s, peak memory, trainable parameters, optimizer state, and LoRA's ratios to full.
 
     uv run python benchmarks/lora.py --steps 5 --rank 16
 """
@@ -13,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import resource
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+import harness
 
-def _variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, float]:
+
+def variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, float]:
     import torch
     from omni_grpo.backends.torch_backend import TorchBackend
     from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
@@ -33,88 +31,49 @@ def _variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, 
     model = world["base"]
     model.set_frozen(visual=False)  # full fine-tuning trains what LoRA may adapt
     torch.manual_seed(0)
-    cfg = TrainerConfig(
-        device=device,
-        lr=1e-3,
-        micro_batch_size=8,
-        lora=LoraConfig(**lora) if lora is not None else None,
-    )
+    adapters = LoraConfig(**lora) if lora is not None else None
+    cfg = TrainerConfig(device=device, lr=1e-3, micro_batch_size=8, lora=adapters)
     backend = TorchBackend(model, cfg, AlgoConfig(), pad_token_id=world["eos"])
     groups = world["groups"]
-    adv = torch.tensor([[1.0, -1.0] * 4] * len(groups))
-    batch = GRPOBatch(groups, adv)
+    batch = GRPOBatch(groups, torch.tensor([[1.0, -1.0] * 4] * len(groups)))
     backend.step(batch)  # warm-up (allocator, optimizer state)
-    cuda = backend.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        backend.step(batch)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    opt_bytes = sum(
-        t.numel() * t.element_size()
-        for s in backend.optimizer.state.values()
-        for t in s.values()
-        if torch.is_tensor(t)
-    )
-    samples = sum(len(g) for g in groups) * steps
+    harness.peak_bytes(backend.device, reset=True)
+    with harness.timed(backend.device) as t:
+        for _ in range(steps):
+            backend.step(batch)
+    state = [x for s in backend.optimizer.state.values() for x in s.values() if torch.is_tensor(x)]
     return {
-        "samples_per_s": samples / seconds,
-        "peak_memory_mb": (
-            torch.cuda.max_memory_allocated() / 2**20
-            if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        ),
+        "samples_per_s": sum(len(g) for g in groups) * steps / t.s,
+        "peak_memory_mb": harness.peak_bytes(backend.device) / 2**20,
         "trainable_params": float(sum(p.numel() for p in backend.params)),
-        "optimizer_state_mb": opt_bytes / 2**20,
+        "optimizer_state_mb": sum(x.numel() * x.element_size() for x in state) / 2**20,
     }
-
-
-def _child(args: tuple[dict[str, Any] | None, int, str], out: Any) -> None:
-    out.put(_variant(*args))
-
-
-def _run(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=((lora, steps, device), q))
-    p.start()
-    result = q.get()
-    p.join()
-    return result
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--rank", type=int, default=16)
+    ap = harness.parser(__doc__, steps=5, rank=16)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    lora = {
-        "rank": args.rank,
-        "alpha": 2 * args.rank,
-        "targets": ["attention", "experts", "visual", "lm_head"],
+    if args.variant is not None:  # a child: one variant, one JSON line
+        print(json.dumps(variant(json.loads(args.variant), args.steps, args.device)))
+        return
+    lora = {"rank": args.rank, "alpha": 2 * args.rank}
+    lora["targets"] = ["attention", "experts", "visual", "lm_head"]
+    argv = [sys.executable, __file__, *sys.argv[1:], "--variant"]
+    full, adapted = (harness.child_json([*argv, json.dumps(v)]) for v in (None, lora))
+    record = {
+        "benchmark": "lora_vs_full",
+        "device": args.device,
+        "steps": args.steps,
+        "lora": lora,
+        "full": full,
+        "lora_run": adapted,
+        "samples_per_s_ratio": adapted["samples_per_s"] / full["samples_per_s"],
+        "peak_memory_ratio": adapted["peak_memory_mb"] / full["peak_memory_mb"],
+        "trainable_params_ratio": adapted["trainable_params"] / full["trainable_params"],
     }
-    full = _run(None, args.steps, args.device)
-    adapted = _run(lora, args.steps, args.device)
-    print(
-        json.dumps(
-            {
-                "benchmark": "lora_vs_full",
-                "device": args.device,
-                "steps": args.steps,
-                "lora": lora,
-                "full": full,
-                "lora_run": adapted,
-                "samples_per_s_ratio": adapted["samples_per_s"] / full["samples_per_s"],
-                "peak_memory_ratio": adapted["peak_memory_mb"] / full["peak_memory_mb"],
-                "trainable_params_ratio": adapted["trainable_params"] / full["trainable_params"],
-            }
-        )
-    )
+    harness.emit("lora", record, args.save)
 
 
 if __name__ == "__main__":

@@ -1,99 +1,65 @@
 """Megatron thinker step throughput (tokens/s, MFU) on one GPU, and weight-sync bandwidth.
 
-A truncated-depth thinker at the real widths (hidden 2048, 32 heads / 4 KV groups, head dim 128,
-128 experts top-8, expert FFN 768, vocab 152064), random weights, bf16, built exactly as the
-backend builds it (local spec + our grouped experts / SDPA attention / interleaved M-RoPE).
+A truncated thinker at the released widths, built as the backend builds it: forward + backward +
+vocab-parallel logprob loss with grouped experts against megatron-core's ``SequentialMLP``; MFU
+over 989 TFLOP/s and over the matmul rate measured here; the weight sync into a receiver on a
+second GPU against one raw NCCL broadcast of the same bytes (docs/benchmarks.md, "Methods").
 
-Measured in the same run:
-* forward+backward (+ vocab-parallel logprob loss) time with ``torch._grouped_mm`` experts, and the
-  same model with megatron-core's ``SequentialMLP`` (the TE-less baseline the reference measured);
-* MFU = model FLOPs / time / peak, with model FLOPs = 3 x forward FLOPs (matmuls over the ACTIVE
-  parameters: attention projections, router, top-k experts, LM head; plus causal attention
-  scores), peak = 989 TFLOP/s (H200/H100 SXM dense bf16 datasheet) and, for reference, the
-  measured 8192^3 bf16 matmul rate of this GPU;
-* weight sync: export -> server names -> 512 MiB buckets -> one NCCL broadcast per tensor into a
-  receiver process on a second GPU, vs one raw NCCL broadcast of the same number of bytes.
-
-Prints ONE JSON object. Usage: ``python benchmarks/megatron_step.py [--layers 4 --batch 4 --seq 2048]``.
+    python benchmarks/megatron_step.py [--layers 4 --batch 4 --seq 2048]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
+from typing import Any
 
+import harness
 import torch
+from released import ROPE, TEXT, VOCAB
 
-REAL = {
-    "hidden_size": 2048,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "moe_intermediate_size": 768,
-    "intermediate_size": 768,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "vocab_size": 152064,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 65536,
-    "rope_parameters": {
-        "rope_theta": 1e6,
-        "mrope_section": [24, 20, 20],
-        "mrope_interleaved": True,
-    },
-}
+REAL = TEXT | {"norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6}
+REAL |= {"max_position_embeddings": 65536, "rope_parameters": ROPE}
 PEAK_BF16 = 989e12
 
 
 def forward_flops_per_token(layers: int, seq: int) -> float:
-    h, heads, kv, d, inter, topk, vocab, e = 2048, 32, 4, 128, 768, 8, 152064, 128
+    keys = "hidden_size num_attention_heads num_key_value_heads head_dim moe_intermediate_size"
+    h, heads, kv, d, ffn = (TEXT[k] for k in keys.split())
     attn_proj = h * heads * d + 2 * h * kv * d + heads * d * h
-    experts = topk * 3 * h * inter
-    router = h * e
+    experts = TEXT["num_experts_per_tok"] * 3 * h * ffn
+    router = h * TEXT["num_experts"]
     per_layer = 2 * (attn_proj + experts + router) + 2 * 2 * heads * d * seq / 2  # causal QK^T + AV
-    return layers * per_layer + 2 * h * vocab
+    return layers * per_layer + 2 * h * VOCAB
 
 
-def matmul_rate(device: torch.device) -> float:
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (time.perf_counter() - t)
-
-
-def time_step(th, ids, pos, iters: int, warmup: int, loss: str = "vocab_parallel") -> list[float]:
+def time_step(
+    th: Any, ids: torch.Tensor, pos: torch.Tensor, iters: int, warmup: int, loss: str
+) -> list[float]:
+    """Seconds of each forward + logprob loss + backward after ``warmup`` untimed ones."""
     from omni_grpo.algo import token_logprobs_from_logits
     from omni_grpo.backends.megatron.vocab_parallel import vocab_parallel_logprobs
 
-    times = []
-    for i in range(warmup + iters):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+    def step() -> None:
         logits = th(ids, pos)
         if loss == "chunked":  # the shared omni_grpo.algo chunked logprobs (checkpointed chunks)
             lp = token_logprobs_from_logits(logits[:, :-1], ids[:, 1:])
         else:  # what the trainer does: megatron's vocab-parallel cross entropy
             lp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:])
         (-lp.mean()).backward()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
+
+    times = []
+    for i in range(warmup + iters):
+        with harness.timed("cuda") as t:
+            step()
+        times += [t.s] if i >= warmup else []
         for p in th.lm.parameters():
             p.grad = None
     return times
 
 
-def profile_step(th, ids, pos, loss: str) -> dict[str, float]:
+def profile_step(th: Any, ids: torch.Tensor, pos: torch.Tensor, loss: str) -> dict[str, float]:
     """CUDA time per kernel name over one step (top 15): where the step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,30 +69,24 @@ def profile_step(th, ids, pos, loss: str) -> dict[str, float]:
     return {e.key[:90]: round(getattr(e, "device_time_total", 0) / 1e3, 2) for e in rows[:15]}
 
 
-def bench_step(args, impl: str, device: torch.device) -> dict:
+def bench_step(
+    args: argparse.Namespace, impl: str, device: torch.device
+) -> tuple[dict, dict | None]:
+    from omni_grpo.backends.megatron import model as mm
     from omni_grpo.backends.megatron.config_map import megatron_model_args
-    from omni_grpo.backends.megatron.model import (
-        MegatronThinker,
-        build_language_model,
-        build_transformer_config,
-    )
     from omni_grpo.config import MegatronConfig
 
     cfg = dict(REAL, num_hidden_layers=args.layers)
     margs = megatron_model_args(cfg, MegatronConfig(precision="bf16"), experts_impl=impl)
-    lm = build_language_model(margs, build_transformer_config(margs))
-    th = MegatronThinker(margs, lm)
+    lm = mm.build_language_model(margs, mm.build_transformer_config(margs))
+    th = mm.MegatronThinker(margs, lm)
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, 151000, (args.batch, args.seq), generator=g).to(device)
-    pos = (
-        torch.arange(args.seq, dtype=torch.float32, device=device)[None, None]
-        .expand(3, args.batch, -1)
-        .contiguous()
-    )
+    pos = torch.arange(args.seq, dtype=torch.float32, device=device)[None, None]
+    pos = pos.expand(3, args.batch, -1).contiguous()
     iters = args.iters if impl == "grouped" else max(2, args.iters // 3)
     times = time_step(th, ids, pos, iters, warmup=2, loss=args.loss)
-    med = statistics.median(times)
-    tokens = args.batch * args.seq
+    med, tokens = statistics.median(times), args.batch * args.seq
     flops = 3 * forward_flops_per_token(args.layers, args.seq) * tokens
     out = {
         "experts": impl,
@@ -136,20 +96,19 @@ def bench_step(args, impl: str, device: torch.device) -> dict:
         "tokens_per_s": tokens / med,
         "model_tflops": flops / med / 1e12,
         "mfu_vs_989": flops / med / PEAK_BF16,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_mem_gib": harness.peak_bytes(device) / harness.GIB,
         "params": sum(p.numel() for p in lm.parameters()),
     }
     if args.profile and impl == "grouped":
         out["top_kernels_ms"] = profile_step(th, ids, pos, args.loss)
     state = {"lm": lm, "th": th, "args": margs} if impl == "grouped" else None
-    if impl != "grouped":
-        del lm, th
+    del lm, th
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    harness.peak_bytes(device, reset=True)
     return out, state
 
 
-def bench_sync(state: dict, device: torch.device, bucket_mb: int) -> dict:
+def bench_sync(state: Any, device: torch.device, bucket_mb: int) -> dict[str, Any]:
     from omni_grpo.backends.megatron.export import export_hf_weights
     from omni_grpo.sync.group import build_group, host_store
     from omni_grpo.testing.megatron.sender import push_to_receiver, raw_broadcast, start_receiver
@@ -160,9 +119,9 @@ def bench_sync(state: dict, device: torch.device, bucket_mb: int) -> dict:
     group = build_group(
         store, group_name="omni_grpo_bench", world_size=2, rank=0, backend="nccl", timeout_s=600
     )
-    lm, margs = state["lm"], state["args"]
-    warm = push_to_receiver(group, store, export_hf_weights(lm, margs), 0, bucket_mb << 20, device)
-    timed = push_to_receiver(group, store, export_hf_weights(lm, margs), 1, bucket_mb << 20, device)
+    lm, margs, bucket = state["lm"], state["args"], bucket_mb << 20
+    warm = push_to_receiver(group, store, export_hf_weights(lm, margs), 0, bucket, device)
+    timed = push_to_receiver(group, store, export_hf_weights(lm, margs), 1, bucket, device)
     raw_broadcast(group, store, timed["bytes"], device, 2)
     raw = raw_broadcast(group, store, timed["bytes"], device, 3)
     proc.wait(timeout=300)
@@ -182,25 +141,10 @@ def bench_sync(state: dict, device: torch.device, bucket_mb: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=6)
-    ap.add_argument("--bucket-mb", type=int, default=512)
-    ap.add_argument("--no-sync", action="store_true")
+    ap = harness.parser(__doc__, layers=4, batch=4, seq=2048, iters=6, bucket_mb=512)
+    # --profile: a CUDA time per kernel of one grouped step; --big-batch 0: no big-batch run
+    harness.add_options(ap, no_sync=False, profile=False, big_batch=8)
     ap.add_argument("--loss", choices=["vocab_parallel", "chunked"], default="vocab_parallel")
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="add a per-kernel CUDA time table of one grouped step",
-    )
-    ap.add_argument(
-        "--big-batch",
-        type=int,
-        default=8,
-        help="also time the grouped model at this batch (0: skip)",
-    )
     args = ap.parse_args()
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -209,24 +153,27 @@ def main() -> None:
 
     init_parallel(MegatronConfig())
     device = torch.device("cuda", torch.cuda.current_device())
-    result = {
+    limits = harness.device_limits(device)
+    result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),
         "config": {
             "layers": args.layers,
             "batch": args.batch,
             "seq": args.seq,
-            "hidden": 2048,
-            "experts": "128 top-8",
-            "expert_ffn": 768,
-            "vocab": 152064,
+            "hidden": TEXT["hidden_size"],
+            "experts": f"{TEXT['num_experts']} top-{TEXT['num_experts_per_tok']}",
+            "expert_ffn": TEXT["moe_intermediate_size"],
+            "vocab": VOCAB,
             "dtype": "bf16",
         },
-        "matmul_8192_tflops": matmul_rate(device) / 1e12,
+        "matmul_8192_tflops": limits["matmul_flops_per_s"] / 1e12,
+        "limits": limits,
     }
+    torch.cuda.empty_cache()  # the limits' buffers are no step's
+    harness.peak_bytes(device, reset=True)
     seq, _ = bench_step(args, "sequential", device)
     grouped, state = bench_step(args, "grouped", device)
-    result["sequential"] = seq
-    result["grouped"] = grouped
+    result["sequential"], result["grouped"] = seq, grouped
     result["grouped_speedup_vs_sequential"] = seq["step_s_median"] / grouped["step_s_median"]
     result["mfu_vs_measured_matmul"] = grouped["model_tflops"] / result["matmul_8192_tflops"]
     if not args.no_sync and torch.cuda.device_count() > 1:
@@ -236,7 +183,7 @@ def main() -> None:
     if args.big_batch:
         big = argparse.Namespace(**{**vars(args), "batch": args.big_batch})
         result[f"grouped_batch{args.big_batch}"], _ = bench_step(big, "grouped", device)
-    print(json.dumps(result))
+    harness.emit("megatron_step", result, args.save)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,258 @@
+"""What ``extract.py`` and ``export.py`` share: a generated hub checkpoint at the released widths,
+the measured sides as children (``python benchmarks/checkpoints.py KIND SRC DST [SHARD]``, one
+prelude for all: imports done and timed apart before any clock starts), and the alternating
+rounds that time them, to the page cache and until ``os.sync()`` returns. Why each choice:
+docs/benchmarks.md, "Methods".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import harness
+import torch
+from released import AUDIO, ROPE, TEXT, VISION, VOCAB
+from safetensors.torch import save_file
+
+Side = tuple[tuple[Path, ...], Callable[[Path], dict[str, Any]]]
+
+
+def fill(shape: tuple[int, ...], noise: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor of ``shape`` tiled from ``noise``: random-looking bytes, drawn once."""
+    n = math.prod(shape)
+    return noise.repeat(-(-n // noise.numel()))[:n].reshape(shape)
+
+
+def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, Any]:
+    """A hub-layout bf16 Qwen3-Omni checkpoint at the released widths with ``layers`` layers,
+    written directly as safetensors shards filled greedily, so that their boundaries cut
+    through a layer's expert list as on the hub; returns its size facts."""
+    from omni_extract import tiny
+    from omni_extract.expected import expected_thinker_tensors
+    from omni_extract.tokens import REAL_IDS
+
+    rope = {"rope_type": "default", **ROPE, "interleaved": True}
+    text = {**TEXT, "num_hidden_layers": layers, "max_position_embeddings": 65536}
+    spec = tiny.TinyOmniSpec(
+        text={**text, "rope_parameters": rope},
+        vision={**VISION, "depth": 2, "deepstack_visual_indexes": [0, 1]},
+        audio={**AUDIO, "encoder_layers": 2},
+        dtype="bfloat16",
+    )
+    config = tiny.build_config(spec, dict(REAL_IDS), VOCAB).to_dict()
+    config["dtype"] = "bfloat16"
+    shapes = expected_thinker_tensors(config["thinker_config"])
+    shapes["talker.model.norm.weight"] = (1024,)  # dropped by every variant, as on the hub
+    dst.mkdir(parents=True)
+    noise = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        n = 2 * math.prod(shape)
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: fill(shapes[k], noise) for k in names}, dst / fname, {"format": "pt"})
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    tiny.build_small_tokenizer().save_pretrained(dst)  # the tokenizer's size is irrelevant here
+    for name, payload in tiny.processor_artifacts(spec.vision).items():
+        (dst / name).write_text(json.dumps(payload))
+    sizes = [f.stat().st_size for f in dst.glob("model-*.safetensors")]
+    return {
+        "layers": layers,
+        "tensors": len(shapes),
+        "shards": len(sizes),
+        "total_bytes": sum(sizes),
+        "largest_shard_bytes": max(sizes),
+    }
+
+
+def copy_shards(src: Path, dst: Path) -> dict[str, float]:
+    """``shutil.copyfile`` of ``src``'s shard files into ``dst``: the physical limit of any
+    rewrite of the same bytes on the same disk."""
+    files = sorted(src.glob("model-*.safetensors"))
+    dst.mkdir(parents=True)
+    with harness.timed() as t:
+        for f in files:
+            shutil.copyfile(f, dst / f.name)
+    return {"seconds": t.s}
+
+
+def warm_page_cache(*dirs: Path) -> None:
+    """Read every safetensors file below ``dirs`` once (untimed), so that a timed run starts
+    with its inputs in the page cache: when the cache cannot hold inputs and outputs, the side
+    that ran after the other's multi-GB writes read cold and the ratio measured eviction."""
+    for d in dirs:
+        for f in sorted(d.rglob("*.safetensors")):
+            with open(f, "rb") as fh:
+                while fh.read(1 << 24):
+                    pass
+
+
+def child(kind: str, *args: str | Path) -> dict[str, Any]:
+    """Run side ``kind`` of :func:`_child_main` in its own process; its JSON record."""
+    return harness.child_json([sys.executable, __file__, kind, *map(str, args)])
+
+
+def durable(seconds: float) -> float:
+    """``seconds`` plus the time ``os.sync()`` takes to write what is still dirty."""
+    with harness.timed() as t:
+        os.sync()
+    return seconds + t.s
+
+
+def rounds(work: Path, repeats: int, sides: dict[str, Side]) -> dict[str, list[dict[str, Any]]]:
+    """``repeats`` rounds of every side in turn; a side is (dirs whose files are read into the
+    page cache first, ``run(dst) -> {"seconds", ...}``). Each run's ``dst`` is deleted after."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for i in range(repeats):
+        for name, (warm, run) in sides.items():
+            dst = work / f"{name}-{i}"
+            shutil.rmtree(dst, ignore_errors=True)
+            os.sync()
+            warm_page_cache(*warm)
+            r = run(dst)
+            runs[name].append({**r, "durable_seconds": durable(r["seconds"])})
+            shutil.rmtree(dst)
+    return runs
+
+
+def best(runs: list[dict[str, Any]]) -> tuple[float, float]:
+    """The least disturbed (cached, durable) seconds."""
+    return min(r["seconds"] for r in runs), min(r["durable_seconds"] for r in runs)
+
+
+def gbps(total: int, runs: list[dict[str, Any]]) -> dict[str, float]:
+    cached, durable_s = best(runs)
+    return {
+        "cached_gbps": round(total / cached / 1e9, 3),
+        "durable_gbps": round(total / durable_s / 1e9, 3),
+    }
+
+
+def ratios(prefix: str, runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
+    """``<prefix>_cached`` / ``_durable``: throughput of ``runs`` over ``base``'s (best of each)."""
+    (ours, ours_d), (theirs, theirs_d) = best(runs), best(base)
+    return {
+        f"{prefix}_cached": round(theirs / ours, 3),
+        f"{prefix}_durable": round(theirs_d / ours_d, 3),
+    }
+
+
+def measured(total: int, runs: list[dict[str, Any]], note: str, **facts: Any) -> dict[str, Any]:
+    """The measured side's section: GB/s, each run's times, ``facts``, output and peak RSS."""
+    times = ("seconds", "durable_seconds", "import_seconds")
+    return {
+        **gbps(total, runs),
+        "runs": [{k: round(r[k], 3) for k in times} for r in runs],
+        **facts,
+        "largest_output_shard_bytes": runs[-1]["largest_output_shard_bytes"],
+        "peak_rss_bytes": max(r["max_rss_bytes"] for r in runs),
+        "note": note,
+    }
+
+
+def options(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """``--workdir`` (kept between runs with ``--keep``), ``--layers`` (MoE layers, ~1.2 GB of
+    experts each), ``--shard-mb`` (input and output shards), ``--repeats``."""
+    work = Path(tempfile.gettempdir()) / f"omni-{name}-bench"
+    return harness.parser(doc, workdir=work, layers=2, shard_mb=1000, repeats=3, keep=False)
+
+
+def generated(facts: Path, make: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    """``make()``'s size facts and seconds, or those of an earlier run kept in ``facts``."""
+    with harness.timed() as t:
+        if not facts.exists():
+            facts.write_text(json.dumps(make()))
+    return json.loads(facts.read_text()), t.s
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "load_avg_1min_at_end": os.getloadavg()[0]}
+
+
+# --------------------------------------------------------------------------------- the children
+def _ranges(run: Path) -> list[tuple[str, int, int]]:
+    """Every (file, offset, length) byte range ``export_run(run)`` moves, in its order."""
+    from omni_extract.export import build_export_plan
+    from omni_extract.source import open_source
+    from omni_grpo.export.run import default_base, find_checkpoint, open_trained
+
+    source = open_source(default_base(run))
+    trained = open_trained(find_checkpoint(run, None).files, source)
+    ranges = []
+    for t in build_export_plan(source, trained).tensors:
+        if t.base is not None:
+            src = t.base.source
+            ranges.append((str(source.root / src.file), src.offset, src.nbytes))
+        else:
+            p = (
+                trained.hub_expert(t.trained, t.expert, t.part)
+                if t.part
+                else trained.tensor(t.trained)
+            )
+            ranges.append((str(p.path), p.offset, p.nbytes))
+    return ranges
+
+
+def _send(ranges: list[tuple[str, int, int]], dst: Path) -> None:
+    """The same bytes, literally: ``ranges`` sendfile'd into one file by a plain loop."""
+    out = os.open(dst / "all.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    for path, offset, n in ranges:
+        fd = os.open(path, os.O_RDONLY)
+        while n:
+            sent = os.sendfile(out, fd, offset, n)
+            offset, n = offset + sent, n - sent
+        os.close(fd)
+    os.close(out)
+
+
+def _child_main(kind: str, src: str, dst: str, shard: str = "0") -> dict[str, Any]:
+    """One side, timed inside this process after the shared prelude (imports timed apart)."""
+    with harness.timed() as imports:
+        from omni_extract import extract
+        from omni_grpo.export import export_run
+        from transformers import Qwen3OmniMoeThinkerForConditionalGeneration as Thinker
+    out: dict[str, Any] = {"import_seconds": imports.s}
+    ranges = _ranges(Path(src)) if kind == "ranges" else []  # planned untimed
+    if kind == "copy":
+        return out | copy_shards(Path(src), Path(dst))
+    if kind == "ranges":
+        Path(dst).mkdir(parents=True)
+    with harness.timed() as t:
+        if kind == "vl":
+            r = extract(src, dst, variant="vl", shard_size=int(shard))
+            out |= {"bytes": r.num_bytes, "shards": len(r.shards)}
+        elif kind == "export":
+            r, _ = export_run(src, dst)
+            out |= {"bytes": r.num_bytes, "replaced": r.num_replaced, "tensors": r.num_tensors}
+        elif kind == "naive":
+            model = Thinker.from_pretrained(src, dtype=torch.bfloat16)
+            model.save_pretrained(dst, max_shard_size=int(shard))
+        else:
+            _send(ranges, Path(dst))
+            out["ranges"] = len(ranges)
+    shards = [f.stat().st_size for f in Path(dst).glob("*.safetensors")]
+    out |= {"largest_output_shard_bytes": max(shards, default=0)}
+    return out | {"seconds": t.s, "max_rss_bytes": harness.status_kb("VmHWM") * 1024}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child_main(*sys.argv[1:])))

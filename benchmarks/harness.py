@@ -1,0 +1,251 @@
+"""What every benchmark does the same way: options, limits, clocks, children, versions, the record.
+
+A benchmark is ``uv run python benchmarks/NAME.py`` from the repository root; it reads top to
+bottom as its measurement and prints ONE JSON object on stdout (progress goes to stderr). Python
+puts the script's folder on ``sys.path``, so ``import harness`` works from any working directory.
+
+    ap = harness.parser(__doc__, steps=2, work=Path)  # --steps 2, --work PATH, --save MACHINE
+    harness.add_options(ap, device="cuda", fast=False)  # more: --device cuda, --fast (a flag)
+    limits = harness.device_limits(device)  # copy_bytes_per_s, matmul_flops_per_s: measured here
+    with harness.timed(device) as gen:      # gen.s: wall seconds, CUDA synchronised at both ends
+        ...
+    harness.seconds(fn, repeats, device)    # wall seconds of each call after a warm-up call
+    harness.gpu_seconds(fn, repeats)        # GPU seconds of each call (CUDA events)
+    harness.now(device)                     # perf_counter once the queued CUDA work is done
+    harness.peak_bytes(device, reset)       # CUDA peak allocation, else this process's peak RSS
+    harness.status_kb("VmHWM")              # /proc/self/status figures (a child's own peak RSS)
+    harness.torch_threads(default)          # OMNI_GRPO_TORCH_THREADS, else ``default``
+    harness.child_json(argv)                # a side in its own process: its last JSON line
+    harness.train_metrics(run_dir)          # a training run's metrics.jsonl; means(rows, keys)
+    harness.versions("peft")                # python, git commit, GPU, torch, transformers, triton
+    harness.emit(NAME, record, args.save)   # print (+ "benchmark", "versions"); --save MACHINE
+                                            # also writes results_path(NAME, MACHINE)
+
+The baseline a figure is compared with is measured in the same run, never hard-coded: a ratio to
+a number from another day measures the other day's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def parser(doc: str | None, **options: Any) -> argparse.ArgumentParser:
+    """The script's docstring's first paragraph, ``--save MACHINE`` and :func:`add_options`."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--save", metavar="MACHINE", help="also write benchmarks/results/NAME_MACHINE")
+    return add_options(ap, **options)
+
+
+def add_options(ap: argparse.ArgumentParser, **options: Any) -> argparse.ArgumentParser:
+    """``name=default`` as ``--name`` of the default's type (False: a flag; a list: one or more
+    values; a type such as ``Path``: that type, default None). With help or choices: add_argument."""
+    for name, default in options.items():
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            ap.add_argument(flag, action="store_true")
+        elif isinstance(default, type):
+            ap.add_argument(flag, type=default)
+        elif isinstance(default, list):
+            ap.add_argument(flag, type=type(default[0]), nargs="+", default=default)
+        else:
+            ap.add_argument(flag, type=type(default), default=default)
+    return ap
+
+
+def results_path(name: str, machine: str) -> Path:
+    """``benchmarks/results/<name>_<machine>.json``: what ran, then where (``h200``)."""
+    return REPO / "benchmarks" / "results" / f"{name}_{machine}.json"
+
+
+def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
+    """Print ``record`` as ONE JSON line with ``benchmark`` (unless it names itself) and
+    ``versions`` (its own entries win) added; with ``save`` also as the results file."""
+    out = {"benchmark": name, **record}
+    out["versions"] = versions() | (out.get("versions") or {})
+    if save:
+        results_path(name, save).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------------ clocks
+def now(device: Any = None) -> float:
+    """``time.perf_counter()`` once the queued CUDA work is done: a GPU phase ends when its
+    kernels end, not when Python has queued them."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@dataclass
+class Timing:
+    s: float = float("nan")  # set when the block ends
+
+
+@contextlib.contextmanager
+def timed(device: Any = None) -> Iterator[Timing]:
+    """``with timed(device) as t:`` — afterwards ``t.s`` is the block's wall seconds."""
+    t, start = Timing(), now(device)
+    yield t
+    t.s = now(device) - start
+
+
+def seconds(
+    fn: Callable[[], Any], repeats: int, device: Any = None, warmup: int = 1
+) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls after ``warmup`` untimed ones (lazy loading,
+    caches); report ``min`` (the least disturbed on a shared box) and the median."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        with timed(device) as t:
+            fn()
+        out.append(t.s)
+    return out
+
+
+def gpu_seconds(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> list[float]:
+    """GPU seconds of each call between CUDA events, no host sync in between: the kernels' own
+    time, without Python's launch gaps while the queue stays full."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    events = [[torch.cuda.Event(enable_timing=True) for _ in "ab"] for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
+def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dict[str, Any]:
+    """What a roofline divides by, measured (a datasheet is not what this card and driver give):
+    copy bandwidth (bytes read + written per second) and matmul FLOP/s of ``matmul``^3, medians.
+    CUDA: bf16, GPU events. CPU: fp32 (bf16 is emulated there), 2048^3 and 256 MiB, wall time."""
+    import torch
+
+    cuda = str(device).startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    n, nbytes = (matmul, int(copy_gib * GIB)) if cuda else (min(matmul, 2048), 256 << 20)
+    src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device).normal_()
+    dst = torch.empty_like(src)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in "ab")
+
+    def rate(fn: Callable[[], Any]) -> float:
+        return 1 / statistics.median(gpu_seconds(fn) if cuda else seconds(fn, 5))
+
+    return {
+        "copy_bytes_per_s": 2 * src.numel() * src.element_size() * rate(lambda: dst.copy_(src)),
+        "matmul_flops_per_s": 2 * n**3 * rate(lambda: a @ b),
+        "matmul_dtype": str(dtype).removeprefix("torch."),
+        "matmul_n": n,
+    }
+
+
+# ----------------------------------------------------------------------- memory and processes
+def peak_bytes(device: Any = None, reset: bool = False) -> int:
+    """CUDA: the peak allocation since the last reset (``reset`` starts a new one). CPU: this
+    process's peak RSS, which a forked child inherits (an exec'd one, :func:`child_json`, not)."""
+    if not str(device).startswith("cuda"):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    import torch
+
+    peak = torch.cuda.max_memory_allocated()
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def status_kb(field: str) -> int:
+    """A ``/proc/self/status`` figure in kB: ``VmHWM`` (peak RSS, afresh at exec unlike
+    ``ru_maxrss``), ``VmRSS``, ``RssAnon``, ``RssFile``; 0 where there is none."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def torch_threads(default: int) -> int:
+    """Set torch's threads to ``OMNI_GRPO_TORCH_THREADS`` (as the trainer reads it), else
+    ``default``: on a shared box more threads than free cores only add barrier waits."""
+    import torch
+
+    n = int(os.environ.get("OMNI_GRPO_TORCH_THREADS") or 0) or default
+    torch.set_num_threads(max(1, n))
+    return n
+
+
+def child_json(argv: list[str], check: bool = True, **run: Any) -> dict[str, Any]:
+    """Run ``argv`` (a side in its own process: its own peak memory, imports, CUDA context) and
+    parse the last stdout line that is a JSON object. A failure raises with the child's last
+    lines, or with ``check=False`` is returned as ``{"error", "stderr_tail"}``."""
+    proc = subprocess.run(argv, capture_output=True, text=True, **run)
+    found = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode == 0 and found:
+        return json.loads(found[-1])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+    if check:
+        raise RuntimeError(f"{argv[1:3]} exited {proc.returncode}:\n" + "\n".join(tail))
+    return {"error": f"exit {proc.returncode}", "stderr_tail": tail}
+
+
+def train_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of a training run's ``metrics.jsonl`` (steps and evaluations)."""
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def means(rows: list[dict[str, Any]], keys: Any) -> dict[str, float]:
+    """Each key's mean over the rows that have it, to 4 places; keys no row has are left out."""
+    found = {k: [r[k] for r in rows if k in r] for k in keys}
+    return {k: round(statistics.fmean(v), 4) for k, v in found.items() if v}
+
+
+# ---------------------------------------------------------------------------------- versions
+def versions(*dists: str) -> dict[str, str | None]:
+    """What a result depends on: python, the git commit (``+dirty``: with local changes), the GPU
+    (if this process imported torch and has one), torch, transformers, triton and ``dists``
+    (None: not installed), read from package metadata: nothing is imported for it."""
+    torch = sys.modules.get("torch")
+    gpu = torch.cuda.get_device_name() if torch and torch.cuda.is_available() else None
+    out = {"python": platform.python_version(), "git_commit": _git(), "gpu": gpu}
+    for dist in ("torch", "transformers", "triton", *dists):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    if torch is not None:  # with its build's local part (+cu130): which CUDA it was built for
+        out["torch"] = torch.__version__
+    return out
+
+
+def _git() -> str | None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True).stdout
+
+    with contextlib.suppress(OSError):
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+        return (git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")) or None
+    return None
