@@ -93,6 +93,26 @@ class Prefilled:
         return int(self.mask.shape[1])
 
 
+@dataclass
+class RowPlan:
+    """Rows that are not ``repeats`` fresh samples of each prompt: partial rollouts.
+
+    ``prefill_row[r]``: the prefilled row sample ``r`` starts from (its prompt, or its prompt
+    followed by ``prefix[r]``, the tokens an earlier call sampled: they are recorded again, with
+    ``prefix_logprobs[r]``, and count towards the row's limit); ``keys[r]``: its noise key (the
+    same draws at the same index whichever call decodes it, so a resumed sample continues as if
+    it had never stopped, weights unchanged); ``group[r]``: its group. With ``need_groups`` the
+    call returns once that many groups have every row ended, the others as they stand.
+    """
+
+    prefill_row: list[int]
+    prefix: list[list[int]]
+    prefix_logprobs: list[list[float]]
+    keys: list[int]
+    group: list[int]
+    need_groups: int | None = None
+
+
 def slot_bytes(prefilled: Prefilled, max_new_tokens: int) -> int:
     """K and V bytes of one slot: every layer, ``prompt + max_new_tokens`` columns."""
     total = prefilled.width + max_new_tokens
@@ -155,6 +175,7 @@ class ContinuousDecoder(GraphStep):
         sample: dict[str, Any],
         seed: int,
         stop: torch.Tensor,
+        plan: RowPlan | None = None,
     ) -> None:
         self.bind(thinker)
         self.pre, self.sample, self.seed, self.stop = prefilled, sample, seed, stop
@@ -165,7 +186,16 @@ class ContinuousDecoder(GraphStep):
         # row ``rows`` and column ``max_new`` are scratch: an idle slot's draw lands there
         self.out_tokens = torch.zeros(rows + 1, max_new_tokens + 1, dtype=torch.long, device=device)
         self.out_logprobs = torch.zeros(rows + 1, max_new_tokens + 1, device=device)
-        self.lengths = [0] * rows
+        keys = list(range(rows)) if plan is None else list(plan.keys)
+        self.row_keys = torch.tensor([*keys, 0], dtype=torch.long, device=device)
+        self.first_index = torch.zeros(rows, dtype=torch.long, device=device)
+        if plan is not None:  # resumed rows: their earlier tokens are recorded first
+            for r, (toks, lps) in enumerate(zip(plan.prefix, plan.prefix_logprobs, strict=True)):
+                if toks:
+                    self.out_tokens[r, : len(toks)] = torch.tensor(toks)
+                    self.out_logprobs[r, : len(lps)] = torch.tensor(lps)
+                    self.first_index[r] = len(toks)
+        self.lengths: list[int | None] = [None] * rows
         self.next_row = 0
         self._allocate(slots, device)
 
@@ -221,13 +251,13 @@ class ContinuousDecoder(GraphStep):
         self.column[slots] = width
         self.row[slots] = rows
         self.limit[slots] = self.limits[rows]
-        zero = torch.zeros_like(rows)
-        tok, lp = self._draw(self.pre.logits[prompt], rows, zero)
-        self.out_tokens[rows, 0] = tok
-        self.out_logprobs[rows, 0] = lp.float()
+        index = self.first_index[rows]  # 0, or after a resumed row's earlier tokens
+        tok, lp = self._draw(self.pre.logits[prompt], self.row_keys[rows], index)
+        self.out_tokens[rows, index] = tok
+        self.out_logprobs[rows, index] = lp.float()
         self.tok[slots] = tok
-        self.count[slots] = 1
-        self.done[slots] = torch.isin(tok, self.stop) | (self.limit[slots] <= 1)
+        self.count[slots] = index + 1
+        self.done[slots] = torch.isin(tok, self.stop) | (self.limit[slots] <= index + 1)
 
     def _draw(
         self, logits: torch.Tensor, rows: torch.Tensor, index: torch.Tensor
@@ -246,7 +276,7 @@ class ContinuousDecoder(GraphStep):
         pos = (self.pos0 + self.fed)[:, None].unsqueeze(0).expand(3, -1, -1)
         cache = SlotCache(self.keys, self.values, self.column)
         logits = self.logits(self.tok, pos, cache, self.mask, self.start)
-        tok, lp = self._draw(logits, self.row, self.count)
+        tok, lp = self._draw(logits, self.row_keys[self.row], self.count)
         live = ~self.done
         dst_row = torch.where(live, self.row, self.row_prompt.shape[0])
         dst_col = torch.where(live, self.count, self.max_new)
@@ -275,6 +305,19 @@ class ContinuousDecoder(GraphStep):
             else:
                 live += 1
         return live
+
+    def partial_lengths(self) -> list[int]:
+        """Each row's tokens so far: its length if it ended, its slot's count if it runs, its
+        earlier tokens if it never started."""
+        out = [int(n) for n in self.first_index.tolist()]
+        count = self.count.tolist()
+        for s, r in enumerate(self.held):
+            if r is not None:
+                out[r] = count[s]
+        for r, n in enumerate(self.lengths):
+            if n is not None:
+                out[r] = n
+        return out
 
     def repack(self, live: int) -> bool:
         """Move the live slots to the front and decode only the first ``size`` (the next power
@@ -319,20 +362,28 @@ def decode_continuous(
     cuda_graph: bool,
     max_slots: int,
     generator: torch.Generator | None = None,
+    plan: RowPlan | None = None,
 ) -> GenerationResult:
-    """Decode ``repeats`` samples of every prefilled prompt through refilled slots."""
+    """Decode ``repeats`` samples of every prefilled prompt through refilled slots (or the rows
+    of ``plan``: partial rollouts, see :class:`RowPlan`)."""
     device = prefilled.mask.device
     prompts = prefilled.mask.shape[0]
-    rows = prompts * repeats
-    row_prompt = torch.arange(prompts, device=device).repeat_interleave(repeats)
+    if plan is None:
+        row_prompt = torch.arange(prompts, device=device).repeat_interleave(repeats)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    else:  # the rows' own keys: no per-call seed, so a resumed row draws what it would have
+        row_prompt = torch.tensor(plan.prefill_row, dtype=torch.long, device=device)
+        seed = 0
+    rows = row_prompt.shape[0]
     slots = plan_slots(prefilled, rows, max_new_tokens, device, max_slots)
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
     decoder = ContinuousDecoder(
-        thinker, prefilled, row_prompt, limits, max_new_tokens, slots, sample, seed, stop
+        thinker, prefilled, row_prompt, limits, max_new_tokens, slots, sample, seed, stop, plan
     )
     decoder.refill()
     while True:
         live = decoder.harvest()
+        if plan is not None and _has_its_groups(plan, decoder.lengths):
+            break  # the step has its groups: the rest stay as they stand
         if decoder.pending():
             decoder.refill()
             live = decoder.slots - decoder.held.count(None)
@@ -344,19 +395,29 @@ def decode_continuous(
             decoder.capture()  # its warm-up steps are real steps
         for _ in range(STOP_CHECK_EVERY):
             decoder.replay()
-    lengths = torch.tensor(decoder.lengths, dtype=torch.long)
+    ended = [n is not None for n in decoder.lengths]
+    lengths = torch.tensor(decoder.partial_lengths(), dtype=torch.long)
     tokens = decoder.out_tokens[:rows, :max_new_tokens].cpu()
     logprobs = decoder.out_logprobs[:rows, :max_new_tokens].float().cpu()
     del decoder
     valid = torch.arange(max_new_tokens)[None] < lengths[:, None]
     last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
     stopped = torch.isin(last, stop.cpu())
+    reasons = ["stop" if bool(s) else "length" for s in stopped]
     return GenerationResult(
         tokens=torch.where(valid, tokens, torch.full_like(tokens, pad_token_id)),
         logprobs=torch.where(valid, logprobs, torch.zeros_like(logprobs)),
         lengths=lengths,
-        finish_reasons=["stop" if bool(s) else "length" for s in stopped],
+        finish_reasons=[r if e else "partial" for r, e in zip(reasons, ended, strict=True)],
     )
+
+
+def _has_its_groups(plan: RowPlan, lengths: list[int | None]) -> bool:
+    """Whether ``plan.need_groups`` groups have every row ended (never, without a need)."""
+    if plan.need_groups is None:
+        return False
+    open_groups = {g for g, n in zip(plan.group, lengths, strict=True) if n is None}
+    return len(set(plan.group) - open_groups) >= plan.need_groups
 
 
 def prefill_all(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omni_grpo.models.continuous import decode_continuous, prefill_all
+from omni_grpo.models.continuous import RowPlan, decode_continuous, prefill_all
 from omni_grpo.models.decode_attention import decode_attention
 from omni_grpo.models.decode_step import (  # noqa: F401  (the sampler's public names live here)
     STOP_CHECK_EVERY,
@@ -210,6 +210,7 @@ def generate(
     row_limits: torch.Tensor | None = None,
     batching: str = "static",
     max_slots: int = 512,
+    plan: RowPlan | None = None,
     **media: Any,
 ) -> GenerationResult:
     """Sample up to ``max_new_tokens`` per row; ``media`` are the Omni forward's media kwargs.
@@ -236,6 +237,8 @@ def generate(
     """
     if batching not in ("static", "continuous"):
         raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
+    if plan is not None and batching != "continuous":
+        raise ValueError("a row plan (partial rollouts) needs batching 'continuous'")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1:
@@ -248,8 +251,14 @@ def generate(
         suppress_token_ids = thinker.sideband.banned_ids
     suppress = torch.tensor(sorted(set(suppress_token_ids)), dtype=torch.long, device=device)
     stop = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long, device=device)
-    limits = _row_limits(row_limits, input_ids.shape[0] * repeats, max_new_tokens, device)
-    check_context(thinker, int(attention_mask.sum(-1).max()), max_new_tokens)
+    valid = attention_mask.sum(-1).tolist()
+    if plan is None:
+        rows, longest = input_ids.shape[0] * repeats, max(valid)
+    else:  # a resumed row's earlier tokens count towards its limit, not its prompt
+        rows = len(plan.prefill_row)
+        longest = max(valid[q] - len(t) for q, t in zip(plan.prefill_row, plan.prefix, strict=True))
+    limits = _row_limits(row_limits, rows, max_new_tokens, device)
+    check_context(thinker, int(longest), max_new_tokens)
     media = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in media.items()}
     sample = {
         "temperature": temperature,
@@ -281,6 +290,7 @@ def generate(
                     cuda_graph=cuda_graph,
                     max_slots=max_slots,
                     generator=generator,
+                    plan=plan,
                 )
         out = thinker(
             input_ids=input_ids,
