@@ -148,9 +148,14 @@ def test_a_rollout_that_cannot_fit_is_refused_at_start_up(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 << 30, 140 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-    fits = RolloutConfig(prompts_per_step=32, n_samples=8, sampling={"max_new_tokens": 512})
+    static = {"batching": "static"}
+    fits = RolloutConfig(
+        prompts_per_step=32, n_samples=8, sampling={"max_new_tokens": 512}, embedded=static
+    )
     EmbeddedEngine.from_rollout_config(fits, policy=model, device="cuda")  # 12 GiB of 30
-    too_big = RolloutConfig(prompts_per_step=32, n_samples=8, sampling={"max_new_tokens": 2048})
+    too_big = RolloutConfig(
+        prompts_per_step=32, n_samples=8, sampling={"max_new_tokens": 2048}, embedded=static
+    )
     with pytest.raises(
         gen.KVCacheTooLarge,
         match=r"256 rows x 2048 new tokens needs at least 48.0 GiB before any prompt token, "
@@ -162,3 +167,18 @@ def test_a_rollout_that_cannot_fit_is_refused_at_start_up(monkeypatch) -> None:
     engine.check_fits(32, 8, 2048)  # 64 rows x 2048: 12 GiB
     # on the CPU nothing is checked (host memory is not the decode's limit)
     EmbeddedEngine.from_rollout_config(too_big, policy=model, device="cpu")
+    # continuous batching (the default on CUDA): the slots follow the free memory, so only one
+    # row of prompt + max_new_tokens has to fit
+    continuous = too_big.model_copy(
+        update={"embedded": too_big.embedded.model_copy(update={"batching": "auto"})}
+    )
+    EmbeddedEngine.from_rollout_config(continuous, policy=model, device="cuda")
+    one_row = too_big.model_copy(
+        update={"sampling": too_big.sampling.model_copy(update={"max_new_tokens": 400_000})}
+    )
+    with pytest.raises(gen.KVCacheTooLarge, match=r"1 rows x 400000 new tokens"):
+        EmbeddedEngine.from_rollout_config(
+            one_row.model_copy(update={"embedded": continuous.embedded}),
+            policy=model,
+            device="cuda",
+        )
