@@ -15,6 +15,14 @@ Rules, and why:
   loop of them leaves no floor to start reading from (``omni_grpo.config`` once reached the data
   loader, which reached the rewards, which are typed by the config). An edge goes to the module
   named, not to the packages above it.
+* **No import circle between the floors of omni_grpo.** A floor is a first-level subpackage
+  (``omni_grpo.config``, ``omni_grpo.models``, ``omni_grpo.exact``, ...) or a top-level module
+  (``omni_grpo.types``, ``omni_grpo.dataset_spec``); an import between two modules is an edge
+  between their floors, counted as in the module cycle rule (inside functions and under
+  ``if TYPE_CHECKING:`` too). With no circle the floors stack: each can be read, tested and
+  changed knowing only the floors below it (the config is the ground floor and imports nothing
+  of ``data``; ``exact`` is installed onto ``models`` from above and ``models`` imports nothing
+  of it).
 * **No cross-module import of a private name.** ``from m import _name`` is refused unless it is the
   module itself; a private *module* (``_mcore.py``) is private to its package: it may be imported
   from inside the package that holds it (its siblings and their subpackages), never from outside.
@@ -216,6 +224,45 @@ def test_no_import_cycle_inside_any_package() -> None:
             for b in sorted(graph[a] & members)
         ]
         report.append("cycle " + " / ".join(cycle) + "\n" + "\n".join(ties))
+    assert not report, "\n".join(report)
+
+
+def _floor(module: str) -> str:
+    """``omni_grpo.models.thinker`` -> ``omni_grpo.models``; a top-level module is its own floor."""
+    return ".".join(module.split(".")[:2])
+
+
+def _floor_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """Floor of omni_grpo -> the floors it imports (type-only and function-local imports too),
+    and every import behind each edge."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    ties: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for m in MODULES:
+        if not _within(m, "omni_grpo"):
+            continue
+        here = _floor(m)
+        graph[here]
+        for target, _, line in imports_of(m, typing=True):
+            if target in MODULES and _within(target, "omni_grpo") and _floor(target) != here:
+                graph[here].add(_floor(target))
+                tie = f"{_where(m, line)}: {m} -> {target}"
+                if tie not in ties[(here, _floor(target))]:  # ``from m import a, b``: once
+                    ties[(here, _floor(target))].append(tie)
+    return graph, ties
+
+
+def test_no_import_circle_between_the_floors_of_omni_grpo() -> None:
+    graph, ties = _floor_graph()
+    assert {"omni_grpo.config", "omni_grpo.data", "omni_grpo.models", "omni_grpo.exact"} <= set(
+        graph
+    )
+    report = []
+    for cycle in _cycles(graph):
+        members = set(cycle)
+        edges = [
+            f"  {tie}" for a in cycle for b in sorted(graph[a] & members) for tie in ties[(a, b)]
+        ]
+        report.append("circle " + " / ".join(cycle) + "\n" + "\n".join(edges))
     assert not report, "\n".join(report)
 
 

@@ -15,8 +15,9 @@ inputs exist, ``base.py`` what every section is built from, ``errors.py`` and ``
 a problem is told without printing a secret. Every public name is importable from here.
 
 The config is the ground floor of omni-grpo: of the project it imports only ``omni_grpo.types``,
-``omni_grpo.plugins``, omni-extract's tiny-size check and, from ``omni_grpo.data``, the row's
-field names (``schema``) and the tables' headers (``spec``); none of them imports the config.
+``omni_grpo.plugins``, omni-extract's tiny-size check and ``omni_grpo.dataset_spec`` (the row's
+field names, the tables' headers); none of them imports the config, and nothing of
+``omni_grpo.data`` is imported here (the data loader reaches the rewards, which take their section).
 """
 
 from omni_grpo.config.algo import AdvantageConfig, AlgoConfig, TISConfig

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from omni_grpo.config.base import DatasetSpec, PathField, StrictModel
+from omni_grpo.dataset_spec import ROW_FIELDS
 
 
 class SyntheticDataConfig(StrictModel):
@@ -95,8 +96,6 @@ class DataConfig(StrictModel):
     def _known_fields(cls, v: dict[str, str]) -> dict[str, str]:
         if not v:
             return v
-        from omni_grpo.data.schema import ROW_FIELDS
-
         unknown = sorted(set(v) - set(ROW_FIELDS))
         if unknown:
             raise ValueError(f"unknown row field(s) {unknown}; the fields are {list(ROW_FIELDS)}")

@@ -3,7 +3,7 @@
 Validation checks the tree alone; this looks at the disk (datasets, the media root, the
 checkpoint, the run dir), so that a missing input fails in one line naming its key instead of
 after the model is made. A renamed column is checked against the tables' headers
-(``omni_grpo.data.spec``), which needs nothing of the config back.
+(``omni_grpo.dataset_spec``, a floor below the config: it imports nothing of omni_grpo).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omni_grpo.config.errors import ConfigError
+from omni_grpo.dataset_spec import check_columns
 
 if TYPE_CHECKING:
     from omni_grpo.config.root import OmniGRPOConfig
@@ -51,8 +52,6 @@ def check_paths(cfg: OmniGRPOConfig) -> None:
         problems += _missing_dataset("data.train", data.train)
         problems += _missing_dataset("data.eval", data.eval)
         if data.columns and not problems:  # a renamed column a table lacks: before the model
-            from omni_grpo.data.spec import check_columns
-
             found = [check_columns(s, data.columns) for s in (data.train, data.eval) if s]
             problems += list(dict.fromkeys(m for ms in found for m in ms))  # train = eval: once
         if data.root is not None and not data.root.is_dir():

@@ -31,37 +31,16 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+# Defined a floor down, where the config reads them too (``omni_grpo.dataset_spec``); served here.
+from omni_grpo.dataset_spec import ROW_FIELDS as ROW_FIELDS
+from omni_grpo.dataset_spec import DataError as DataError
 from omni_grpo.types import Sample
 
 MediaType = Literal["image", "video", "audio"]
 PLACEHOLDER = re.compile(r"<(image|video|audio)>")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-# Every field a row may carry; ``data.columns`` renames source columns onto these. The list
-# columns ``images``/``audios``/``videos`` (TRL / verl convention) are the alternative to ``media``.
-ROW_FIELDS: tuple[str, ...] = (
-    "id",
-    "prompt",
-    "label",
-    "media",
-    "images",
-    "audios",
-    "videos",
-    "choices",
-    "reward",
-    "modality",
-    "metadata",
-)
 # list column -> media type of its items
 MEDIA_COLUMNS: dict[str, MediaType] = {"images": "image", "audios": "audio", "videos": "video"}
-
-
-class DataError(ValueError):
-    """A dataset file or row is invalid; the message names the file and row. ``reason`` is the
-    skip counter key when the lenient loader skips the row instead."""
-
-    def __init__(self, message: str, reason: str = "invalid") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class MediaRef(BaseModel):

@@ -30,7 +30,7 @@ same group's embedded media found unreadable only when a row is drawn is that ro
 once; its rows are validated like any other). A ``data.columns`` entry whose source column a file
 does not have is an error naming the field and the file: ignoring it would silently drop the
 table's own column of that name. What a spec names and the columns its tables carry (read from
-headers alone, for the config's pre-flight check as well) are ``omni_grpo.data.spec``'s.
+headers alone, for the config's pre-flight check as well) are ``omni_grpo.dataset_spec``'s.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ attention to ``exact.attention`` (through transformers' attention registry, also
 steps: ``models.decode_attention`` leaves it alone), and the media towers to one item per call.
 Since the embedded engine samples from this very module, the prefill, every decode step and the
 trainer's forwards then compute each token's logits with the same arithmetic; the sampler and
-the trainer take the log-softmax with the same kernel (``exact.rowwise.token_logprobs``).
+the trainer take the log-softmax with the same kernel (``exact.rowwise.token_logprobs``, handed
+to the sampler on the thinker: ``models.decode_step.SAMPLER_LOGPROBS``).
 The rebinding is by ``MethodType`` on the instances (a deep copy rebinds to the copy).
 """
 
@@ -76,7 +77,9 @@ def enable_exact_logprobs(model: nn.Module) -> dict[str, int]:
     were rebound. Idempotent."""
     from omni_grpo.exact import attention
     from omni_grpo.exact.moe import moe_block_forward
+    from omni_grpo.exact.rowwise import token_logprobs
     from omni_grpo.exact.towers import encode_towers_per_item
+    from omni_grpo.models.decode_step import SAMPLER_LOGPROBS
 
     check_supported(model)
     if is_exact(model):
@@ -105,5 +108,6 @@ def enable_exact_logprobs(model: nn.Module) -> dict[str, int]:
             config._attn_implementation = attention.NAME
     text.config._attn_implementation = attention.NAME
     encode_towers_per_item(model)
+    setattr(model, SAMPLER_LOGPROBS, token_logprobs)  # the decoders' sampler takes it from here
     setattr(model, FLAG, True)
     return counts

@@ -1,51 +1,11 @@
-"""Where exact mode may compute with torch's kernels: forwards never compared with the rollout.
+"""Where exact mode may compute with torch's kernels: the recompute of gradient checkpointing and
+the KL reference's forward (see ``omni_grpo.models.kernel_switch``, where the flag is defined).
 
-Exactness (``rollout.exact_logprobs``) is a property of *one* forward in training: the one whose
-logits give the policy logprobs. Two other forwards of a step only have to be right, not
-bitwise equal to the rollout:
-
-- the recompute of gradient checkpointing (part of the backward: it rebuilds the decoder
-  layers' activations for the gradients; the logprobs were taken in the first forward);
-- the KL reference's forward (its logprobs are never compared with the rollout's).
-
-Inside :func:`torch_kernels` every exact autograd Function (``matmul``, ``grouped``,
-``rowwise``, ``attention``, ``moe``) computes its forward with torch's kernels instead of the
-row-invariant Triton ones. The Functions save the same tensors (shapes, dtypes) either way, so
-torch's non-reentrant checkpoint accepts a recompute under this context
-(:func:`recompute_context`: its metadata check compares them). The gradients are then those
-of torch's forward at the same weights (they differ from the exact forward's by bf16 rounding,
-as any two kernels' do); the logprobs, and so the importance ratios, stay exact.
-
-The flag is thread-local: the recompute runs in the autograd engine's thread, inside the
-context that :func:`recompute_context` hands to the checkpoint there.
+Defined a floor down because the thinker's checkpointing (``models.thinker``) hands
+:func:`recompute_context` to torch, and the models do not import ``omni_grpo.exact``; the
+exact Functions read the one thread-local flag through these names.
 """
 
-from __future__ import annotations
+from omni_grpo.models.kernel_switch import recompute_context, torch_kernels, torch_kernels_on
 
-import contextlib
-import threading
-from collections.abc import Iterator
-
-_STATE = threading.local()
-
-
-def torch_kernels_on() -> bool:
-    """Whether the exact Functions compute their forward with torch's kernels here and now."""
-    return getattr(_STATE, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def torch_kernels() -> Iterator[None]:
-    """Exact mode's Functions use torch's kernels inside (nestable; a no-op with the option off:
-    only the exact Functions read the flag)."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
-
-
-def recompute_context() -> tuple[contextlib.AbstractContextManager[None], ...]:
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the first
-    forward as it is, the recompute under :func:`torch_kernels`."""
-    return contextlib.nullcontext(), torch_kernels()
+__all__ = ["recompute_context", "torch_kernels", "torch_kernels_on"]

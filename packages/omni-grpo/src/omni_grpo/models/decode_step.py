@@ -8,6 +8,7 @@ layers write one decode slot to (``SlotCache``), the KV-size checks' errors and 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,13 @@ if TYPE_CHECKING:
     from omni_grpo.models.thinker import OmniThinker
 
 log = logging.getLogger(__name__)
+
+# ``(logits [N, V] fp32, targets [N]) -> [N]`` log-softmax at the targets.
+TokenLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The thinker attribute holding the function its sampler takes each token's logprob with. Exact
+# mode (``omni_grpo.exact.install``, a floor up: it needs Triton) puts the trainer's kernel there
+# when it switches a thinker, so that the decoders call it without importing it; absent: torch's.
+SAMPLER_LOGPROBS = "sampler_token_logprobs"
 
 # How often (in decode steps) the host asks whether every row has stopped: each ask is a device
 # sync, and a step after all rows stopped only costs one (graph-replayed) forward.
@@ -63,6 +71,11 @@ def _restrict(
     return out
 
 
+def sampler_logprobs(thinker: torch.nn.Module) -> TokenLogprobs | None:
+    """The logprob function a thinker's sampler must use (exact mode's kernel), or None."""
+    return getattr(thinker, SAMPLER_LOGPROBS, None)
+
+
 def sample_step(
     logits: torch.Tensor,
     *,
@@ -71,13 +84,14 @@ def sample_step(
     top_p: float = 1.0,
     suppress: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-    exact: bool = False,
+    logprobs: TokenLogprobs | None = None,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``[B, V]`` logits; return (tokens, logprobs) per the convention.
 
-    ``exact`` (``rollout.exact_logprobs``): the logprob comes from the kernel the trainer uses
-    (``omni_grpo.exact.rowwise.token_logprobs``), same value, bit for bit.
+    ``logprobs`` (:func:`sampler_logprobs`; with ``rollout.exact_logprobs`` the kernel the
+    trainer uses, ``omni_grpo.exact.rowwise.token_logprobs``): the logprob comes from it, same
+    value, bit for bit; None: torch's ``log_softmax``.
 
     The draw is ``torch.multinomial(probs, 1)``'s own algorithm (argmax of ``probs / Exp(1)``
     noise: the same tokens for the same RNG state) without its input checks, which read values
@@ -96,10 +110,8 @@ def sample_step(
         if noise is None:
             noise = torch.empty_like(probs).exponential_(1, generator=generator)
         tokens = (probs / noise).argmax(-1)
-    if exact:
-        from omni_grpo.exact.rowwise import token_logprobs
-
-        return tokens, token_logprobs(scaled, tokens)
+    if logprobs is not None:
+        return tokens, logprobs(scaled, tokens)
     return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 

@@ -43,6 +43,7 @@ from omni_grpo.models.decode_step import (  # noqa: F401  (the sampler's public 
     kv_cache_bytes,
     layer_tensors,
     sample_step,
+    sampler_logprobs,
 )
 
 if TYPE_CHECKING:
@@ -266,7 +267,7 @@ def generate(
         "top_p": top_p,
         "suppress": suppress,
         "generator": generator,
-        "exact": bool(getattr(thinker, "exact_logprobs", False)),  # omni_grpo.exact
+        "logprobs": sampler_logprobs(thinker),  # exact mode's kernel (omni_grpo.exact)
     }
     if cuda_graph is None:
         enabled = os.environ.get("OMNI_GRPO_CUDA_GRAPH", "1") != "0"

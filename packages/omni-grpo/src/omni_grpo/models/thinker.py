@@ -31,6 +31,7 @@ from omni_audio_inject import AudioInjector, PlaceholderCountError, audio_output
 from omni_rope import OmniRopeConfig, positions_from_mm
 from torch import nn
 
+from omni_grpo.models.kernel_switch import recompute_context
 from omni_grpo.models.positions import decode_positions
 from omni_grpo.models.sideband import OmniSideband
 from omni_grpo.models.vision_dedup import deduplicate_vision_items
@@ -292,7 +293,7 @@ class OmniThinker(nn.Module):
         method (``activation_checkpointing_enable``) and its keyword; both spellings are served.
         ``context_fn``: torch's checkpoint contexts (the selective policy's), passed through.
 
-        Otherwise the non-reentrant recompute runs under ``exact.switch.recompute_context``: in
+        Otherwise the non-reentrant recompute runs under ``kernel_switch.recompute_context``: in
         exact mode (``rollout.exact_logprobs``) it rebuilds the activations with torch's kernels
         (it only serves the gradients; the logprobs came from the first forward). With the option
         off the context sets a flag nothing reads: the same kernels, the same numbers. (The
@@ -302,8 +303,6 @@ class OmniThinker(nn.Module):
         if context_fn is not None:
             kwargs["context_fn"] = context_fn
         elif not use_reentrant:
-            from omni_grpo.exact.switch import recompute_context
-
             kwargs["context_fn"] = recompute_context
         enable = getattr(self._vl, "activation_checkpointing_enable", None)
         if enable is not None:
