@@ -65,6 +65,9 @@ import thinker_rig as rig
 import torch
 
 GIB = 1 << 30
+CONFIG_KEYS = ("checkpoint_policy", "compile", "exact_logprobs", "lengths", "batching")
+CONFIG_KEYS += ("static_batch_rows", "long_prompts", "audio_seconds", "video_frames")
+CONFIG_KEYS += ("generation_only",)  # the options the result's config repeats
 
 
 def draw_lengths(spec: str, rows: int, limit: int, seed: int) -> list[int]:
@@ -253,29 +256,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "config": {
-            "layers": args.layers,
-            "widths": args.widths,
-            "prompts": args.prompts,
-            "group": args.group,
+            **{k: vars(args)[k] for k in ("layers", "widths", "prompts", "group")},
             "rows": rows,
             "max_new_tokens": args.max_new_tokens,
             "modalities": [s.modality for s in samples],
             "prompt_tokens": prompt_lens,
             "lora": {"rank": args.rank, "alpha": args.alpha, "targets": targets},
-            "expert_path": args.expert_path,
-            "micro_batch_size": args.micro_batch_size,
-            "micro_batch_tokens": args.micro_batch_tokens,
+            **{k: vars(args)[k] for k in ("expert_path", "micro_batch_size", "micro_batch_tokens")},
             "gradient_checkpointing": True,
-            "checkpoint_policy": args.checkpoint_policy,
-            "compile": args.compile,
-            "exact_logprobs": args.exact_logprobs,
-            "lengths": args.lengths,
-            "batching": args.batching,
-            "static_batch_rows": args.static_batch_rows,
-            "long_prompts": args.long_prompts,
-            "audio_seconds": args.audio_seconds,
-            "video_frames": args.video_frames,
-            "generation_only": args.generation_only,
+            **{k: vars(args)[k] for k in CONFIG_KEYS},
         },
         "limits": limits,
         "roofline": {
