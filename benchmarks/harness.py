@@ -14,6 +14,7 @@ puts the script's folder on ``sys.path``, so ``import harness`` works from any w
     harness.now(device)                     # perf_counter once the queued CUDA work is done
     harness.peak_bytes(device, reset)       # CUDA peak allocation, else this process's peak RSS
     harness.status_kb("VmHWM")              # /proc/self/status figures (a child's own peak RSS)
+    harness.profile_table(fn, dst)          # fn() under torch.profiler: its ops' table to dst
     harness.torch_threads(default)          # OMNI_GRPO_TORCH_THREADS, else ``default``
     harness.child_json(argv)                # a side in its own process: its last JSON line
     harness.train_metrics(run_dir)          # a training run's metrics.jsonl; means(rows, keys)
@@ -162,6 +163,29 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
         "matmul_dtype": str(dtype).removeprefix("torch."),
         "matmul_n": n,
     }
+
+
+def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
+    """``fn()`` under torch.profiler (its result returned): the ops by CUDA time, then by self CPU
+    time (launch-bound phases show there), to ``dst``; without a GPU by CPU time alone."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * cuda]) as prof:
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+    table, width = prof.key_averages(), 70
+    text = table.table(
+        sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=45, max_name_column_width=width
+    )
+    if cuda:
+        text += "\n\n" + table.table(
+            sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=width
+        )
+    dst.write_text(text)
+    return out
 
 
 # ----------------------------------------------------------------------- memory and processes

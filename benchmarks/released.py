@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 VOCAB = 152064
+LAYERS = 48  # text decoder layers
 TEXT = {
     "hidden_size": 2048,
     "num_attention_heads": 32,
@@ -30,11 +31,15 @@ VISION = {
     "num_position_embeddings": 2304,
     "out_hidden_size": 2048,
 }
+# the vision tower's depth: 27 blocks, deepstack taps after blocks 8, 16 and 24
+VISION_DEPTH = {"depth": 27, "deepstack_visual_indexes": [8, 16, 24]}
 AUDIO = {
     "d_model": 1280,
     "encoder_attention_heads": 20,
     "encoder_ffn_dim": 5120,
     "downsample_hidden_size": 480,
+    "encoder_layers": 32,
+    "conv_chunksize": 500,
 }
 
 

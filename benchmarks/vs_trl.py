@@ -37,8 +37,6 @@ TRL_MATCHED |= dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewa
 TRL_MATCHED |= dict(temperature=1.0, top_p=1.0, top_k=0, max_grad_norm=1.0, logging_steps=1)
 TRL_MATCHED |= dict(report_to="none", save_strategy="no", shuffle_dataset=False)
 TRL_MATCHED |= dict(dataloader_num_workers=0)
-# what lora_memory.py and one_gpu_thinker.py import from here
-REAL_TEXT, REAL_VISION, make_skeleton = released.TEXT, released.VISION, released.make_skeleton
 
 
 def reward_text(text: str) -> float:
@@ -64,8 +62,10 @@ def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> P
     text["num_hidden_layers"] = layers
     if widths == "real":
         depth = max(layers, 3)
-        text.update(REAL_TEXT)
-        vision.update(REAL_VISION, depth=depth, deepstack_visual_indexes=[*range(depth - 3, depth)])
+        text.update(released.TEXT)
+        vision.update(
+            released.VISION, depth=depth, deepstack_visual_indexes=[*range(depth - 3, depth)]
+        )
         for key in ("rope_scaling", "rope_parameters"):  # head dim 128: the real M-RoPE sections
             if isinstance(text.get(key), dict) and "mrope_section" in text[key]:
                 text[key]["mrope_section"] = [24, 20, 20]
@@ -313,7 +313,9 @@ def main() -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     with harness.timed() as prep:
-        skeleton = Path(args.skeleton) if args.skeleton else make_skeleton(work / "skeleton")
+        skeleton = (
+            Path(args.skeleton) if args.skeleton else released.make_skeleton(work / "skeleton")
+        )
         widen(skeleton, vl, args.layers, args.widths, args.device)
         if not audio.exists():
             shutil.copytree(skeleton / "audio", audio)

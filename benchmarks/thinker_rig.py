@@ -1,0 +1,205 @@
+"""The released thinker drawn in device memory, its prompts and its engine: the one-GPU rig.
+
+``lora_memory``, ``one_gpu_thinker`` and ``exact_logprobs`` measure the real trainer and engine on
+the released architecture. No checkpoint is reachable offline, and the 48-layer model is ~63 GB,
+so the weights are drawn at random directly on the device (nothing is written to disk) beside a
+weightless ``vl`` directory (the skeleton's tokenizer, processor and sideband at the real widths,
+``released.py``) and wrapped as the trainer wraps a loaded checkpoint. Media are synthetic:
+decoding them is not what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import released
+import torch
+
+
+def vl_dir_at(skeleton: Path, dst: Path, layers: int, widths: str) -> tuple[Path, dict[str, Any]]:
+    """A weightless ``vl`` directory (config + tokenizer/processor files) at the requested widths
+    and depth: what ``wrap_vl`` and the prompt builder read. Returns it and the config dict."""
+    cfg = json.loads((skeleton / "vl" / "config.json").read_text())
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    if widths == "real":
+        text.update(released.TEXT)
+        vision.update(released.VISION | released.VISION_DEPTH)
+        for key in ("rope_scaling", "rope_parameters"):  # head dim 128: the real M-RoPE sections
+            if isinstance(text.get(key), dict) and "mrope_section" in text[key]:
+                text[key]["mrope_section"] = list(released.ROPE["mrope_section"])
+    text["num_hidden_layers"] = layers
+    dst.mkdir(parents=True, exist_ok=True)
+    skip = ("config.json", "model.safetensors.index.json")
+    for f in (skeleton / "vl").iterdir():
+        if f.suffix != ".safetensors" and f.name not in skip:
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst, cfg
+
+
+def _drawn(make: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """``make()`` with ``dtype`` as the default dtype, on ``device`` (an fp32 48-layer model
+    would not fit next to its bf16 copy)."""
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            return make()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_vl(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Random ``Qwen3VLMoeForConditionalGeneration`` (seed 0) drawn directly on ``device`` in
+    ``dtype``. The fused experts are redrawn explicitly: a non-finite value from an uninitialised
+    ``torch.empty`` would make every step skip and AdamW never allocate its state."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    config = Qwen3VLMoeConfig(**{k: v for k, v in cfg.items() if k != "omni_sideband"})
+    torch.manual_seed(0)
+    vl = _drawn(lambda: Qwen3VLMoeForConditionalGeneration(config), device, dtype)
+    with torch.no_grad():
+        for name, p in vl.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0.0, 0.02)
+    return vl.to(dtype)
+
+
+def real_audio_tower(
+    thinker: Any, skeleton_audio: Path, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Give the thinker's frozen audio tower real widths and depth, random weights on ``device``."""
+    from omni_audio_inject.source import audio_config_of
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoderConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+
+    cfg = dict(audio_config_of(skeleton_audio))
+    cfg.pop("model_type", None)
+    cfg.update(released.AUDIO)
+    cfg["output_dim"] = thinker.config.text_config.hidden_size
+    config = Qwen3OmniMoeAudioEncoderConfig(**cfg)
+    module = _drawn(lambda: Qwen3OmniMoeAudioEncoder(config), device, dtype)
+    tower = thinker.audio.tower
+    tower._module, tower._config = module.to(dtype).eval().requires_grad_(False), config
+
+
+def thinker_at(
+    cfg: dict[str, Any], vl_dir: Path, skeleton: Path, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """``build_vl`` wrapped as the trainer wraps a loaded ``vl`` checkpoint (vision frozen)."""
+    from omni_grpo.models.loader import wrap_vl
+
+    vl = build_vl(cfg, device, dtype)
+    return wrap_vl(vl, vl_dir, audio_dir=skeleton / "audio", freeze_visual=True)
+
+
+def write_images(root: Path, n: int, size: int) -> list[Path]:
+    """``n`` smooth colour-field PNGs (not constant: the vision tower sees real pixels)."""
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    paths = []
+    for i in range(n):
+        rgb = np.stack([xx, yy, (xx + yy + i / n) % 1], -1)
+        paths.append(root / f"image{i}.png")
+        Image.fromarray((rgb * 255).astype(np.uint8)).save(paths[-1])
+    return paths
+
+
+def synthetic_media(args: argparse.Namespace) -> Any:
+    """Install media loaders that return synthetic arrays (``--audio-seconds`` of a chirp,
+    ``--video-frames`` moving colour frames); returns the prompt builder's matching limits."""
+    import omni_grpo.data.prompt as prompt_mod
+    from omni_grpo.config import DataConfig
+    from omni_grpo.data.media import VideoClip
+
+    def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
+        t = np.arange(int(args.audio_seconds * 16000)) / 16000
+        return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
+
+    def video(src: Any, fps: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
+        n, size = args.video_frames, args.video_size
+        yy, xx = np.mgrid[0:size, 0:size] / size
+        frames = [
+            (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8) for i in range(n)
+        ]
+        return VideoClip(frames=np.stack(frames), fps=2.0)
+
+    prompt_mod.load_audio = audio
+    prompt_mod.load_video = video
+    return DataConfig(
+        image_max_pixels=args.image_size**2,
+        audio_max_seconds=args.audio_seconds,
+        max_frames=args.video_frames,
+        video_max_pixels=args.video_size**2,
+    )
+
+
+def samples(
+    work: Path, n: int, kinds: tuple[str, ...], image_size: int, question: str, long: bool = False
+) -> tuple[list[Any], list[Path]]:
+    """``n`` prompts cycling ``kinds`` (image, audio, video, text), one medium each, and the
+    images written for them (one per prompt). ``long``: a video and a recording in every prompt.
+    The audio and video files only need to exist: the loaders are :func:`synthetic_media`'s."""
+    from omni_grpo.types import Sample
+
+    images = write_images(work / "media", n, image_size)
+
+    def medium(kind: str, i: int) -> dict[str, str]:
+        path = images[i] if kind == "image" else work / "media" / f"{kind}{i}.bin"
+        if kind != "image":
+            path.write_bytes(b"synthetic")
+        return {"type": kind, "path": str(path)}
+
+    out = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        media = [] if kind == "text" else [medium(kind, i)]
+        text = f"{'' if kind == 'text' else f'<{kind}>'}Question {i}. {question}"
+        if long:
+            kind, media = "video+audio", [medium("video", i), medium("audio", i)]
+            text = f"<video><audio>Question {i}. What is said while this happens?"
+        out.append(Sample(uid=f"p{i}", prompt=text, label="", media=media, modality=kind))
+    return out, images
+
+
+def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
+    """The end-of-turn ids (banned: every sample runs to ``max_new_tokens``, the worst case)
+    and the pad id."""
+    from omni_grpo.trainer import end_of_turn_ids
+
+    eos = end_of_turn_ids(vl_dir, tok)
+    return eos, int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
+
+
+def engine(thinker: Any, eos: list[int], device: torch.device, tok: Any = None, **kw: Any) -> Any:
+    """The embedded engine with no stop token, the end-of-turn and media ids banned; bf16
+    autocast on CUDA; ``tok`` decodes the completions' text."""
+    from omni_grpo.models.sideband import media_token_ids
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+
+    if tok is not None:
+        kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    return EmbeddedEngine(
+        thinker,
+        [],
+        device=device,
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        banned_token_ids=media_token_ids(thinker) + eos,
+        **kw,
+    )
+
+
+def advantages(groups: list[Any], group: int) -> torch.Tensor:
+    """Group advantages of uniform random rewards: the update's cost does not depend on them."""
+    from omni_grpo.algo import group_advantages
+
+    return group_advantages(torch.rand(len(groups), group), group, std_normalize=True, eps=1e-6)
