@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     last = steps[-1]
     trl: dict[str, Any] | None = None
     if args.trl_steps:
-        del backend, engine, thinker, groups, adv  # (the engines dict keeps its engines)
+        engines.clear()  # each engine holds the model: TRL's side measures its own memory
+        del backend, engine, thinker, groups, adv
         trl = run_trl_side(args, cfg, vl_dir, samples, images)
     ours_samples_per_s = rows / last["step_s"]
     return {
