@@ -54,6 +54,8 @@ class Completion:
     weight_version: str = "default"
     text: str = ""
     reward: float = 0.0
+    # leading tokens drawn by an earlier policy (partial rollouts continued across steps)
+    stale_tokens: int = 0
 
 
 class SamplingParams(BaseModel):

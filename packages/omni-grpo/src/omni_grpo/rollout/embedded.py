@@ -19,13 +19,17 @@ their difference measures the cache/padding/numerics mismatch only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omni_grpo.data.collate import collate_mm
-from omni_grpo.models.generation import check_rollout_fits, generate
+from omni_grpo.models.continuous import RowPlan
+from omni_grpo.models.generation import GenerationResult, check_rollout_fits, generate
 from omni_grpo.types import Completion, PromptInputs, SamplingParams
+
+if TYPE_CHECKING:
+    from omni_grpo.rollout.partial import GroupInFlight
 
 
 def resolve_batching(setting: str, on_cuda: bool) -> str:
@@ -142,22 +146,93 @@ class EmbeddedEngine:
     def _generate_batch(
         self, prompts: list[PromptInputs], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:
-        width = max(len(p.input_ids) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p.input_ids) :] = torch.tensor(p.input_ids)
-            mask[i, width - len(p.input_ids) :] = 1
         # one row per prompt: generate() prefills it (media towers included) once and samples
         # its n completions from copies of that KV cache
-        mm = collate_mm([p.mm for p in prompts if p.mm])
-        stop = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         limits = None
         if self.length_plan is not None:
-            planned = self.length_plan(prompts, n)
-            limits = torch.tensor(planned, dtype=torch.long).clamp(1, sampling.max_new_tokens)
+            limits = self._limits(self.length_plan(prompts, n), sampling)
+        result = self._sample([p.input_ids for p in prompts], prompts, sampling, n, limits)
+        tokens, logprobs = result.token_lists(), result.logprob_lists()
+        return [
+            [
+                self.completion(prompt, tokens[row], logprobs[row], result.finish_reasons[row])
+                for row in range(i * n, (i + 1) * n)
+            ]
+            for i, prompt in enumerate(prompts)
+        ]
+
+    @torch.no_grad()
+    def continue_groups(
+        self, groups: list[GroupInFlight], need: int, sampling: SamplingParams
+    ) -> None:
+        """Decode the unfinished samples of ``groups`` (partial rollouts, ``rollout.partial``)
+        until ``need`` groups have every sample ended; the others stay as they stand.
+
+        Fresh samples of a prompt share one prefill row; a sample resumed from earlier tokens
+        gets its own (prompt + those tokens, recomputed with the current weights). Every sample
+        draws with its own noise key, so it continues as if it had never stopped. Updates the
+        samples in place."""
+        rows = [(g, s) for g in groups for s in g.samples if s.reason is None]
+        need -= sum(g.done for g in groups)
+        if not rows or need <= 0:
+            return
+        prefill: list[tuple[PromptInputs, list[int]]] = []
+        fresh_row: dict[int, int] = {}
+        plan_rows = []
+        for g, sample in rows:
+            if sample.token_ids:
+                plan_rows.append(len(prefill))
+                prefill.append((g.prompt, sample.token_ids))
+            else:
+                if id(g) not in fresh_row:
+                    fresh_row[id(g)] = len(prefill)
+                    prefill.append((g.prompt, []))
+                plan_rows.append(fresh_row[id(g)])
+        index = {id(g): i for i, g in enumerate(groups)}
+        plan = RowPlan(
+            prefill_row=plan_rows,
+            prefix=[s.token_ids for _, s in rows],
+            prefix_logprobs=[s.logprobs for _, s in rows],
+            keys=[s.key for _, s in rows],
+            group=[index[id(g)] for g, _ in rows],
+            need_groups=need,
+        )
+        limits = self._limits([s.limit or sampling.max_new_tokens for _, s in rows], sampling)
+        result = self._sample(
+            [p.input_ids + prefix for p, prefix in prefill],
+            [p for p, _ in prefill],
+            sampling,
+            1,
+            limits,
+            plan=plan,
+        )
+        tokens, logprobs = result.token_lists(), result.logprob_lists()
+        for r, (_, sample) in enumerate(rows):
+            sample.advance(tokens[r], logprobs[r], result.finish_reasons[r])
+
+    def _limits(self, planned: list[int], sampling: SamplingParams) -> torch.Tensor:
+        return torch.tensor(planned, dtype=torch.long).clamp(1, sampling.max_new_tokens)
+
+    def _sample(
+        self,
+        rows: list[list[int]],
+        prompts: list[PromptInputs],
+        sampling: SamplingParams,
+        repeats: int,
+        limits: torch.Tensor | None,
+        plan: RowPlan | None = None,
+    ) -> GenerationResult:
+        """``generate`` over left-padded ``rows`` (each ``prompts[i]``'s ids, media collated)."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        mm = collate_mm([p.mm for p in prompts if p.mm])
+        stop = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         with self._autocast():
-            result = generate(
+            return generate(
                 self.model,
                 ids,
                 mask,
@@ -168,27 +243,23 @@ class EmbeddedEngine:
                 stop_token_ids=stop,
                 suppress_token_ids=self.banned,
                 pad_token_id=self.pad_id,
-                repeats=n,
+                repeats=repeats,
                 row_limits=limits,
                 batching=self.batching,
                 max_slots=self.max_batch_rows,
+                plan=plan,
                 **mm,
             )
+
+    def completion(
+        self, prompt: PromptInputs, tokens: list[int], logprobs: list[float], reason: str
+    ) -> Completion:
         version = self.version_fn() if self.version_fn is not None else "default"
-        tokens, logprobs = result.token_lists(), result.logprob_lists()
-        groups = []
-        for i, prompt in enumerate(prompts):
-            group = []
-            for row in range(i * n, (i + 1) * n):
-                group.append(
-                    Completion(
-                        prompt=prompt,
-                        token_ids=tokens[row],
-                        logprobs=logprobs[row],
-                        finish_reason=result.finish_reasons[row],
-                        weight_version=version,
-                        text=self.decode_fn(tokens[row]) if self.decode_fn is not None else "",
-                    )
-                )
-            groups.append(group)
-        return groups
+        return Completion(
+            prompt=prompt,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=reason,
+            weight_version=version,
+            text=self.decode_fn(tokens) if self.decode_fn is not None else "",
+        )

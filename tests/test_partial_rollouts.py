@@ -1,0 +1,91 @@
+"""Partial rollouts (``rollout.partial``): groups in flight across calls, on the CPU.
+
+A sample continued in a later call, weights unchanged, must be the sample drawn in one go (its
+draws are keyed on the sample and the token index); a call returns as many ended groups as it
+was given prompts, the oldest first; tokens drawn in an earlier call are counted as stale.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omni_extract import extract
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.models import load_thinker
+from omni_grpo.rollout.embedded import EmbeddedEngine
+from omni_grpo.rollout.partial import PartialRollouts
+from omni_grpo.types import Sample, SamplingParams
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world(tiny_omni_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("partial")
+    extract(tiny_omni_dir, root / "vl", variant="vl")
+    extract(tiny_omni_dir, root / "audio", variant="audio")
+    thinker = load_thinker(root / "vl", dtype="float32")
+    from omni_grpo.config import DataConfig
+
+    builder = PromptBuilder(root / "vl", DataConfig())
+    prompts = [
+        builder.build(Sample(uid=f"p{i}", prompt=f"Question {i}: say {i}.", label=""), "/")
+        for i in range(6)
+    ]
+    gen = json.loads((Path(thinker.source_dir) / "generation_config.json").read_text())
+    return thinker, prompts, int(gen["pad_token_id"])
+
+
+# sample j of the prompt with uid p<i>: a long tail (one sample of each group runs long)
+LENGTHS = {0: [3, 40], 1: [5, 4], 2: [2, 6], 3: [30, 3], 4: [4, 4], 5: [7, 2]}
+
+
+def _engine(thinker, pad):
+    def plan(prompts, n):
+        return [LENGTHS[int(p.sample.uid[1:])][j] for p in prompts for j in range(n)]
+
+    return EmbeddedEngine(thinker, [pad], batching="continuous", max_batch_rows=3, length_plan=plan)
+
+
+def test_groups_in_flight_continue_where_they_stopped(world):
+    thinker, prompts, pad = world
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=40)
+    stream = iter(prompts[2:])
+    torch.manual_seed(0)
+    pool = PartialRollouts(_engine(thinker, pad), 2, lambda k: [next(stream) for _ in range(k)])
+    got = {}
+    steps = [pool.generate(prompts[:2], 2, sampling)]
+    assert len(steps[0]) == 2 and len(pool.carry) == 2
+    steps.append(pool.generate([next(stream)], 2, sampling))
+    steps.append(pool.generate([next(stream)], 2, sampling))
+    assert [len(s) for s in steps] == [2, 1, 1]
+    stale = 0
+    for step in steps:
+        for group in step:
+            uid = int(group[0].prompt.sample.uid[1:])
+            assert [len(c.token_ids) for c in group] == LENGTHS[uid]  # every sample ended
+            assert all(c.finish_reason == "length" for c in group)
+            got[uid] = group
+            stale += sum(c.stale_tokens for c in group)
+    assert stale > 0  # the long samples (40 and 30 tokens) ran over more than one call
+    # The same prompts in one call, no groups in flight: the same keys, the same samples.
+    torch.manual_seed(0)
+    whole = PartialRollouts(_engine(thinker, pad), 0, lambda k: [])
+    once = whole.generate(prompts[:4] + prompts[4:6], 2, sampling)
+    for group in once:
+        uid = int(group[0].prompt.sample.uid[1:])
+        if uid not in got:
+            continue
+        for a, b in zip(group, got[uid], strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= TOL
+            assert a.stale_tokens == 0
+
+
+def test_partial_rollouts_need_continuous_batching(world):
+    thinker, _, pad = world
+    with pytest.raises(ValueError, match="continuous batching"):
+        PartialRollouts(EmbeddedEngine(thinker, [pad]), 1, lambda k: [])
