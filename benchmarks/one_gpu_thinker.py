@@ -67,12 +67,13 @@ import torch
 GIB = 1 << 30
 CONFIG_KEYS = ("checkpoint_policy", "compile", "exact_logprobs", "lengths", "batching")
 CONFIG_KEYS += ("static_batch_rows", "long_prompts", "audio_seconds", "video_frames")
-CONFIG_KEYS += ("generation_only",)  # the options the result's config repeats
+CONFIG_KEYS += ("generation_only", "extra_groups")  # the options the result's config repeats
 
 
-def draw_lengths(spec: str, rows: int, limit: int, seed: int) -> list[int]:
+def draw_lengths(spec: str, rows: int, limit: int, seed: Any) -> list[int]:
     """Each row's completion length: ``uniform`` (every row ``limit``: the worst case) or
-    ``lognormal:MEDIAN:SIGMA`` (ceil of a lognormal draw, clipped to [1, limit])."""
+    ``lognormal:MEDIAN:SIGMA`` (ceil of a lognormal draw, clipped to [1, limit]); ``seed``: a
+    seed or a numpy Generator (partial rollouts draw each new group's lengths from one)."""
     if spec == "uniform":
         return [limit] * rows
     kind, median, sigma = spec.split(":")
@@ -156,6 +157,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         for name in batchings
     }
+    if args.extra_groups:  # partial rollouts: groups in flight across steps (own length draws)
+        from omni_grpo.rollout.partial import PartialRollouts
+
+        rng = np.random.default_rng([args.seed, 7])
+        extra = iter(prompts * (args.extra_groups + args.steps * args.prompts))
+
+        def partial_plan(batch: list[Any], n: int) -> list[int]:
+            return draw_lengths(args.lengths, len(batch) * n, args.max_new_tokens, rng)
+
+        inner = rig.engine(thinker, eos, device, tok, batching="continuous", max_batch_rows=512)
+        inner.length_plan = partial_plan
+        engines["partial"] = PartialRollouts(
+            inner, args.extra_groups, lambda k: [next(extra) for _ in range(k)]
+        )
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     sizes = roofline.text_sizes(cfg, args.rank, targets)
     prompt_lens = [len(p.input_ids) for p in prompts]
@@ -192,6 +207,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with harness.timed(device) as gen:
                 groups = engine.generate(prompts, args.group, sampling)
             made = sum(len(c.token_ids) for gr in groups for c in gr)
+            stats = getattr(engine, "last_stats", None)
+            if stats:  # partial rollouts: what the call generated, not what it returned
+                made = int(stats["generated_tokens"])
             by_engine[name] = {
                 "generation_s": round(gen.s, 3),
                 "new_tokens": made,
@@ -200,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "peak_gib": round(harness.peak_bytes(device) / GIB, 2)
                 if device.type == "cuda"
                 else None,
+                **({"partial": stats} if stats else {}),
             }
             print(json.dumps({name: by_engine[name]}), file=sys.stderr, flush=True)
         gen_s = gen.s  # the last engine's rollout is the one trained on
@@ -213,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             peak = max(peak, harness.peak_bytes(device) / GIB)
         new_tokens = sum(lengths)
-        train_seqs = [n + m for n, m in zip(row_prompt_lens, lengths, strict=True)]
+        train_seqs = [len(c.prompt.input_ids) + len(c.token_ids) for gr in groups for c in gr]
         fwd = roofline.forward_flops(sizes, train_seqs, new_tokens)
         # reference + policy forward + activation-gradient backward, and the recompute
         update_flops = fwd * 3 + roofline.recompute_flops(
@@ -394,6 +413,12 @@ def main() -> None:
         help="trainer.checkpoint_policy: recompute whole layers, or keep the attention's products",
     )
     harness.add_options(ap, steps=2, seed=0)
+    ap.add_argument(
+        "--extra-groups",
+        type=int,
+        default=0,
+        help="also partial rollouts (omni_grpo.rollout.partial): this many groups in flight",
+    )
     ap.add_argument("--exact-logprobs", action="store_true", help="rollout.exact_logprobs")
     ap.add_argument(
         "--lengths",
