@@ -89,3 +89,50 @@ def test_partial_rollouts_need_continuous_batching(world):
     thinker, _, pad = world
     with pytest.raises(ValueError, match="continuous batching"):
         PartialRollouts(EmbeddedEngine(thinker, [pad]), 1, lambda k: [])
+
+
+def test_train_with_groups_in_flight_and_resume(tmp_path: Path, caplog) -> None:
+    """``omni-grpo train`` with ``rollout.embedded.extra_groups``: every step trains its groups,
+    the metrics say how stale they were, and a resume says what it could not keep."""
+    import logging
+
+    import yaml
+    from click.testing import CliRunner
+    from omni_grpo.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((repo / "examples" / "tiny.yaml").read_text())
+    cfg["run"].update(dir=str(tmp_path / "run"), steps=2, save_every=1)
+    cfg["eval"]["every"] = 0
+    cfg["data"]["synthetic"].update(tasks=["image"], n_train=16, n_eval=4)
+    cfg["rollout"]["embedded"] = {"extra_groups": 2}
+    cfg["rollout"]["sampling"]["max_new_tokens"] = 24
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+    args = ["train", "--config", str(tmp_path / "tiny.yaml"), "--no-progress"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/groups_in_flight" in r]
+    assert len(steps) == 2 and all(r["rollout/groups_in_flight"] == 2.0 for r in steps)
+    assert all(0.0 <= r["rollout/stale_token_frac"] <= 1.0 for r in steps)
+    cfg["run"]["steps"] = 3
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+    with caplog.at_level(logging.WARNING, logger="omni_grpo.trainer"):
+        result = CliRunner().invoke(main, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "2 groups of partial rollouts were in flight" in caplog.text
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["rollout/dropped_groups"] == 2.0
+
+
+def test_config_refuses_groups_in_flight_where_they_cannot_run() -> None:
+    from omni_grpo.config import ConfigError, load_config
+
+    for bad, fragment in (
+        (["rollout.embedded.batching=static"], "needs rollout.embedded.batching continuous"),
+        (["rollout.max_staleness=1"], "both train on samples of earlier policies"),
+        (["rollout.embedded.actors=1"], "in the in-process embedded engine"),
+    ):
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(None, ["rollout.embedded.extra_groups=2", *bad])
+    assert load_config(None, ["rollout.embedded.extra_groups=2"]).rollout.embedded.extra_groups

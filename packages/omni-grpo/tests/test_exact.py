@@ -65,6 +65,7 @@ def test_config_accepts_the_supported_setting() -> None:
         ),
         (["trainer.device=cpu"], "needs a CUDA device"),
         (["rollout.max_staleness=1"], "rollout.max_staleness 1 samples with weights one version"),
+        (["rollout.embedded.extra_groups=2"], "continues samples of earlier policies"),
     ],
 )
 def test_auto_is_off_with_its_reasons_where_it_cannot_hold(

@@ -78,6 +78,8 @@ if TYPE_CHECKING:
     from omni_grpo.data.dataset import OmniDataset
 
 log = logging.getLogger(__name__)
+# TrainState.extra key: partial rollouts' groups in flight when the checkpoint was written
+GROUPS_IN_FLIGHT = "partial_groups_in_flight"
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -192,6 +194,7 @@ class GRPORun:
     logger: MetricsLogger
     watch: SignalWatch
     last_eval: dict[str, float] = field(default_factory=dict)  # the newest evaluation
+    dropped_groups: int = 0  # partial rollouts' groups a resume could not continue (logged once)
 
     @classmethod
     def open(
@@ -224,6 +227,7 @@ class GRPORun:
             n_samples=cfg.rollout.n_samples,
             sampling=cfg.rollout.sampling,
             ahead=bool(cfg.rollout.max_staleness),
+            extra_groups=cfg.rollout.embedded.extra_groups,
         )
         return cls(cfg, run_dir, inputs, parts, point.state, batches, logger, watch)
 
@@ -233,6 +237,14 @@ class GRPORun:
         saved after the warm-up, and a row left pending by a failed weight sync is written."""
         if point.checkpoint is None:
             return
+        dropped = int(self.state.extra.pop(GROUPS_IN_FLIGHT, 0) or 0)
+        if dropped:
+            log.warning(
+                "resume: %d groups of partial rollouts were in flight at the checkpoint and are "
+                "not kept in it; their prompts are skipped (rollout/dropped_groups)",
+                dropped,
+            )
+            self.dropped_groups = dropped
         pushed = self.parts.push_weights(f"step-{self.state.step}")
         if self.state.warmup_done:
             anchor_reference(self.parts.backend, self.run_dir, self.cfg.algo, save=False)
@@ -322,6 +334,10 @@ class GRPORun:
             row.update(staleness_metrics(groups, step - 1, self.cfg.rollout.max_staleness))
         row.update(self.watch.update(step, row))
         row.update({"time/rollout_s": t_rollout, "time/train_s": t_train})
+        if self.cfg.rollout.embedded.extra_groups:
+            row["rollout/groups_in_flight"] = float(self.batches.groups_in_flight())
+            row["rollout/dropped_groups"] = float(self.dropped_groups)
+            self.dropped_groups = 0
         # generated tokens over the rollout phase's wall time, as this step waited for it
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         row["time/generation_tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
@@ -368,6 +384,7 @@ class GRPORun:
         """Save ``state`` with the weights, the optimizer and (``trainer.lora``) the adapter."""
         # Not the sampler's cursor: a batch drawn ahead for the next step was not trained on yet.
         self.state.cursor = self.batches.trained_cursor
+        self.state.extra[GROUPS_IN_FLIGHT] = self.batches.groups_in_flight()
         backend = self.parts.backend
         weights = backend.trainable_state()
         save_checkpoint(
@@ -465,6 +482,11 @@ def log_first_lines(cfg: OmniGRPOConfig, parts: RunComponents) -> None:
         log.info(
             "rollout.exact_logprobs with rollout.max_staleness 1: samples are one policy "
             "version old, so train_rollout_logprob_exact_fraction measures the staleness"
+        )
+    if cfg.rollout.embedded.extra_groups and not cfg.algo.tis.enabled:
+        log.warning(
+            "rollout.embedded.extra_groups without algo.tis: tokens drawn by earlier policies "
+            "are trained with no importance correction (rollout/stale_token_frac says how many)"
         )
     if overlap and not (cfg.algo.tis.enabled or cfg.algo.use_rollout_logprobs):
         log.warning(
@@ -621,6 +643,12 @@ def rollout_metrics(groups: list[list[Completion]], rewards: torch.Tensor) -> di
         **{f"completion_len_p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)},
         "completion_len_max": float(np.max(lengths)),
         "truncated_frac": float(np.mean([c.finish_reason == "length" for g in groups for c in g])),
+        # partial rollouts: tokens drawn by an earlier policy, and the samples that hold some
+        "rollout/stale_token_frac": sum(c.stale_tokens for g in groups for c in g)
+        / max(1, sum(lengths)),
+        "rollout/resumed_sample_frac": float(
+            np.mean([c.stale_tokens > 0 for g in groups for c in g])
+        ),
     }
     per: dict[str, list[float]] = defaultdict(list)
     signal: dict[str, list[float]] = defaultdict(list)

@@ -58,6 +58,14 @@ class EmbeddedRolloutConfig(StrictModel):
     actors: int = Field(0, ge=0)
     cpus_per_actor: float = Field(0.5, gt=0)
     sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    extra_groups: int = Field(
+        0,
+        ge=0,
+        description="partial rollouts (omni_grpo.rollout.partial): this many groups in flight "
+        "beyond rollout.prompts_per_step; a step trains the first groups to end and the others "
+        "continue next step (their earlier tokens are stale: rollout/stale_token_frac; use "
+        "algo.tis). Needs the in-process engine with continuous batching",
+    )
     batching: Literal["auto", "static", "continuous"] = Field(
         "auto",
         description="static: decode the step's batch until its last row ends; continuous: "

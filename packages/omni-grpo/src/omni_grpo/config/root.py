@@ -101,6 +101,22 @@ def contradictions(cfg: OmniGRPOConfig) -> list[str]:
             "ray.num_cpus sizes a local Ray only and is ignored with ray.address "
             f"({cfg.ray.address}); remove one of them"
         )
+    extra = cfg.rollout.embedded.extra_groups
+    if extra and (cfg.rollout.engine != "embedded" or cfg.rollout.embedded.actors):
+        out.append(
+            f"rollout.embedded.extra_groups ({extra}) keeps groups in flight in the in-process "
+            "embedded engine (rollout.engine embedded, rollout.embedded.actors 0); set it to 0"
+        )
+    if extra and cfg.rollout.embedded.batching == "static":
+        out.append(
+            f"rollout.embedded.extra_groups ({extra}) needs rollout.embedded.batching continuous "
+            "or auto (the static decoder cannot stop at the groups a step needs)"
+        )
+    if extra and cfg.rollout.max_staleness:
+        out.append(
+            f"rollout.embedded.extra_groups ({extra}) and rollout.max_staleness 1 both train on "
+            "samples of earlier policies, in two ways that do not compose; choose one"
+        )
     if cfg.rollout.sglang.launch is not None and cfg.rollout.engine != "sglang-omni":
         out.append(
             f"rollout.sglang.launch starts servers for rollout.engine sglang-omni, but the engine "

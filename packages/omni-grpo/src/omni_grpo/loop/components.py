@@ -78,6 +78,8 @@ def resolve_exact(cfg: OmniGRPOConfig, policy: Any) -> tuple[bool, str]:
         reasons.append("the Ray scale path (trainer or rollout actors) does not run it yet")
     elif setting == "auto" and cfg.rollout.max_staleness:
         reasons.append("rollout.max_staleness 1 samples with weights one version old")
+    elif setting == "auto" and cfg.rollout.embedded.extra_groups:
+        reasons.append("rollout.embedded.extra_groups continues samples of earlier policies")
     if not reasons:
         try:
             check_supported(policy)
@@ -135,7 +137,8 @@ def start_components(
         from omni_grpo.exact import enable_exact_logprobs
 
         enable_exact_logprobs(backend.policy)
-        if cfg.rollout.max_staleness:  # samples one version old: inexact by construction
+        # samples (or their earlier tokens) one version old: inexact by construction
+        if cfg.rollout.max_staleness or cfg.rollout.embedded.extra_groups:
             backend.exact_watch.enabled = False  # type: ignore[attr-defined]
     context: dict[str, Any] = dict(
         eos_token_ids=eos_ids,

@@ -8,7 +8,9 @@ need bookkeeping, and both live here rather than in the loop:
   next; none is requested after the last step of the call (nothing would train on it);
 * the data cursor a checkpoint stores (:attr:`RolloutBatches.trained_cursor`): the sampler's
   position after the batch that was *trained*, not after the one drawn ahead — a resume draws
-  that batch again instead of skipping its rows.
+  that batch again instead of skipping its rows;
+* with ``rollout.embedded.extra_groups`` (partial rollouts, ``omni_grpo.rollout.partial``) the
+  groups in flight, drawn from the same stream; a checkpoint does not keep them.
 """
 
 from __future__ import annotations
@@ -40,10 +42,19 @@ class RolloutBatches:
         n_samples: int,
         sampling: SamplingParams,
         ahead: bool,
+        extra_groups: int = 0,
     ) -> None:
-        self.engine = engine
         self.dataset = dataset
         self.sampler = sampler
+        if extra_groups:  # partial rollouts: groups in flight, topped up from the same stream
+            from omni_grpo.rollout.partial import PartialRollouts
+
+            engine = PartialRollouts(
+                engine,  # type: ignore[arg-type]
+                extra_groups,
+                lambda k: next_prompts(dataset, sampler, k),
+            )
+        self.engine = engine
         self.prompts_per_step = prompts_per_step
         self.n_samples = n_samples
         self.sampling = sampling
@@ -68,6 +79,11 @@ class RolloutBatches:
             # sampler is not touched here again until the batch is in.
             self._in_flight = self.ahead.submit(self._draw, self.n_samples, self.sampling)
         return groups
+
+    def groups_in_flight(self) -> int:
+        """Groups of partial rollouts started but not trained yet (0 without them): a checkpoint
+        does not keep them, so a resume starts after their prompts (counted when it does)."""
+        return len(getattr(self.engine, "carry", ()))
 
     def close(self) -> None:
         """Stop the overlap's worker thread (an in-flight batch is cut short where it can be)."""

@@ -32,12 +32,13 @@ if TYPE_CHECKING:
     from omni_grpo.rollout.partial import GroupInFlight
 
 
-def resolve_batching(setting: str, on_cuda: bool) -> str:
+def resolve_batching(setting: str, on_cuda: bool, extra_groups: int = 0) -> str:
     """``rollout.embedded.batching``: ``auto`` is continuous on CUDA (long-tailed lengths: 1.26x
-    the static decoder's tokens/s at 64 rows on one H200, par on uniform lengths) and static on
-    the CPU, where the demo's short, uniform completions gain nothing from refills."""
+    the static decoder's tokens/s at 64 rows on one H200, par on uniform lengths) and with
+    partial rollouts (``extra_groups``), and static on the CPU otherwise, where the demo's short,
+    uniform completions gain nothing from refills."""
     if setting == "auto":
-        return "continuous" if on_cuda else "static"
+        return "continuous" if on_cuda or extra_groups else "static"
     return setting
 
 
@@ -109,7 +110,7 @@ class EmbeddedEngine:
             decode_fn=context.get("decode_fn"),
             version_fn=context.get("version_fn"),
             banned_token_ids=context.get("banned_token_ids"),
-            batching=resolve_batching(cfg.embedded.batching, on_cuda),
+            batching=resolve_batching(cfg.embedded.batching, on_cuda, cfg.embedded.extra_groups),
         )
         engine.check_fits(cfg.prompts_per_step, cfg.n_samples, cfg.sampling.max_new_tokens)
         return engine
