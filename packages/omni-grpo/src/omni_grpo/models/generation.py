@@ -293,36 +293,66 @@ def generate(
                     generator=generator,
                     plan=plan,
                 )
-        out = thinker(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **media,
+        return _decode_static(
+            thinker,
+            input_ids,
+            attention_mask,
+            media,
+            sample,
+            stop,
+            limits,
+            repeats,
+            cuda_graph,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_token_id,
         )
-        first = sample_step(out.logits[:, -1, :].repeat_interleave(repeats, 0), **sample)
-        cache = getattr(out, "cache", None)
-        cache = cache if cache is not None else out.past_key_values
-        decoder = StaticDecoder(
-            thinker, cache, attention_mask, first, max_new_tokens, sample, repeats=repeats
-        )
-        del out, cache
-        steps = 1  # tokens recorded so far
-        with decode_attention(decoder.layers):
-            if cuda_graph and max_new_tokens > 3:
-                steps += decoder.capture()  # eager steps if the step cannot be captured
-            budget = int(limits.max())
-            while steps < budget:
-                if steps % STOP_CHECK_EVERY == 0 and _all_stopped(
-                    decoder.tokens[:, :steps], stop, limits
-                ):
-                    break
-                decoder.replay()
-                steps += 1
-        tokens, logprobs = decoder.tokens[:, :steps], decoder.logprobs[:, :steps]
-        del decoder
     finally:
         thinker.train(was_training)
+
+
+def _decode_static(
+    thinker: OmniThinker,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    media: dict[str, Any],
+    sample: dict[str, Any],
+    stop: torch.Tensor,
+    limits: torch.Tensor,
+    repeats: int,
+    cuda_graph: bool,
+    *,
+    max_new_tokens: int,
+    pad_token_id: int,
+) -> GenerationResult:
+    """One prefill, then ``StaticDecoder`` steps until every row ended (its stop token or limit)."""
+    out = thinker(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        logits_to_keep=1,
+        **media,
+    )
+    first = sample_step(out.logits[:, -1, :].repeat_interleave(repeats, 0), **sample)
+    cache = getattr(out, "cache", None)
+    cache = cache if cache is not None else out.past_key_values
+    decoder = StaticDecoder(
+        thinker, cache, attention_mask, first, max_new_tokens, sample, repeats=repeats
+    )
+    del out, cache
+    steps = 1  # tokens recorded so far
+    with decode_attention(decoder.layers):
+        if cuda_graph and max_new_tokens > 3:
+            steps += decoder.capture()  # eager steps if the step cannot be captured
+        budget = int(limits.max())
+        while steps < budget:
+            if steps % STOP_CHECK_EVERY == 0 and _all_stopped(
+                decoder.tokens[:, :steps], stop, limits
+            ):
+                break
+            decoder.replay()
+            steps += 1
+    tokens, logprobs = decoder.tokens[:, :steps], decoder.logprobs[:, :steps]
+    del decoder
     return _finish(tokens, logprobs, stop, limits, pad_token_id)
 
 
