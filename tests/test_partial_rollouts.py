@@ -132,6 +132,7 @@ def test_config_refuses_groups_in_flight_where_they_cannot_run() -> None:
         (["rollout.embedded.batching=static"], "needs rollout.embedded.batching continuous"),
         (["rollout.max_staleness=1"], "both train on samples of earlier policies"),
         (["rollout.embedded.actors=1"], "in the in-process embedded engine"),
+        (["trainer.world_size=2"], "in the in-process embedded engine"),
     ):
         with pytest.raises(ConfigError, match=fragment):
             load_config(None, ["rollout.embedded.extra_groups=2", *bad])

@@ -102,10 +102,12 @@ def contradictions(cfg: OmniGRPOConfig) -> list[str]:
             f"({cfg.ray.address}); remove one of them"
         )
     extra = cfg.rollout.embedded.extra_groups
-    if extra and (cfg.rollout.engine != "embedded" or cfg.rollout.embedded.actors):
+    in_process = not cfg.rollout.embedded.actors and cfg.trainer.world_size == 1
+    if extra and (cfg.rollout.engine != "embedded" or not in_process):
         out.append(
             f"rollout.embedded.extra_groups ({extra}) keeps groups in flight in the in-process "
-            "embedded engine (rollout.engine embedded, rollout.embedded.actors 0); set it to 0"
+            "embedded engine (rollout.engine embedded, rollout.embedded.actors 0, "
+            "trainer.world_size 1); set it to 0"
         )
     if extra and cfg.rollout.embedded.batching == "static":
         out.append(
