@@ -164,3 +164,44 @@ def test_continuous_rows_are_bitwise_independent_of_their_batch(world: dict[str,
     for a, b in zip(*runs, strict=True):
         for x, y in zip(a, b, strict=True):
             assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+
+
+def test_partial_rollouts_continue_bitwise(world: dict[str, Any]) -> None:
+    """Exact kernels + keyed draws: samples stopped after the first group ended and continued
+    in a second call (their earlier tokens re-prefilled) have the same bits as the same samples
+    decoded in one call."""
+    from omni_grpo.exact import enable_exact_logprobs
+    from omni_grpo.rollout.embedded import EmbeddedEngine
+    from omni_grpo.rollout.partial import GroupInFlight, SampleInFlight
+    from omni_grpo.trainer import media_token_ids
+    from omni_grpo.types import SamplingParams
+
+    model = copy.deepcopy(world["base"]).to("cuda", torch.bfloat16)
+    enable_exact_logprobs(model)
+    engine = EmbeddedEngine(
+        model,
+        [],
+        device="cuda",
+        autocast_dtype=torch.bfloat16,
+        banned_token_ids=media_token_ids(model),
+        batching="continuous",
+        max_batch_rows=5,
+    )
+    sampling = SamplingParams(max_new_tokens=40)
+    limits = [[2, 3, 4, 5], [38, 3, 3, 3], [34, 2, 2, 2]]  # group 0 ends first
+
+    def groups() -> list[GroupInFlight]:
+        return [
+            GroupInFlight(p, [SampleInFlight(key=10 * g + j, limit=n) for j, n in enumerate(ls)])
+            for g, (p, ls) in enumerate(zip(world["prompts"], limits, strict=True))
+        ]
+
+    split, once = groups(), groups()
+    engine.continue_groups(split, 1, sampling)
+    assert split[0].done and not split[1].done and split[1].samples[0].token_ids
+    engine.continue_groups(split, 3, sampling)
+    engine.continue_groups(once, 3, sampling)
+    for a, b in zip(split, once, strict=True):
+        for x, y in zip(a.samples, b.samples, strict=True):
+            assert len(x.token_ids) == x.limit
+            assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
