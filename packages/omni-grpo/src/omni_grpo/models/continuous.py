@@ -103,6 +103,10 @@ class RowPlan:
     same draws at the same index whichever call decodes it, so a resumed sample continues as if
     it had never stopped, weights unchanged); ``group[r]``: its group. With ``need_groups`` the
     call returns once that many groups have every row ended, the others as they stand.
+
+    Cost: a resumed row's prefill row holds its prompt and earlier tokens, and every slot is as
+    wide as the widest prefill row plus ``max_new_tokens``; long continued samples widen the
+    slots (fewer fit) for the call.
     """
 
     prefill_row: list[int]
