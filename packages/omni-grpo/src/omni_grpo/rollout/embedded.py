@@ -29,7 +29,7 @@ from omni_grpo.models.generation import GenerationResult, check_rollout_fits, ge
 from omni_grpo.types import Completion, PromptInputs, SamplingParams
 
 if TYPE_CHECKING:
-    from omni_grpo.rollout.partial import GroupInFlight
+    from omni_grpo.rollout.in_flight import GroupInFlight
 
 
 def resolve_batching(setting: str, on_cuda: bool, extra_groups: int = 0) -> str:

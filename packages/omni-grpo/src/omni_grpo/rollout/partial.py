@@ -21,48 +21,18 @@ wired into ``omni-grpo train``: the benchmark drives it (``one_gpu_thinker.py --
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from omni_grpo.rollout.in_flight import GroupInFlight, SampleInFlight
 from omni_grpo.types import Completion
 
 if TYPE_CHECKING:
     from omni_grpo.rollout.embedded import EmbeddedEngine
     from omni_grpo.types import PromptInputs, SamplingParams
 
-
-@dataclass
-class SampleInFlight:
-    """One sample: its noise key, its tokens so far and the call that drew each one."""
-
-    key: int
-    limit: int | None = None  # a planned length (benchmarks), else max_new_tokens
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    drawn_in: list[int] = field(default_factory=list)  # the call index of each token
-    reason: str | None = None  # stop | length once ended; None while it runs
-    call: int = 0  # the current call's index (set by the pool before each call)
-
-    def advance(self, tokens: list[int], logprobs: list[float], reason: str) -> None:
-        """The engine's result for this sample: its tokens so far (earlier ones first)."""
-        new = len(tokens) - len(self.token_ids)
-        self.drawn_in += [self.call] * new
-        self.token_ids, self.logprobs = list(tokens), list(logprobs)
-        self.reason = None if reason == "partial" else reason
-
-
-@dataclass
-class GroupInFlight:
-    """A prompt's ``n`` samples, some of which may still run."""
-
-    prompt: PromptInputs
-    samples: list[SampleInFlight]
-
-    @property
-    def done(self) -> bool:
-        return all(s.reason is not None for s in self.samples)
+__all__ = ["GroupInFlight", "PartialRollouts", "SampleInFlight"]
 
 
 class PartialRollouts:
