@@ -1,15 +1,9 @@
 """``rollout.exact_logprobs`` on one GPU: bitwise rollout == trainer logprobs, and what it costs.
 
-The thinker at real widths and vocabulary with random bf16 weights (``--layers`` text layers,
-vision 27, audio 32; built as in ``one_gpu_thinker.py``), the real embedded engine and
-``TorchBackend``; prompts cycle image (448²), 30 s audio, 16-frame video and text, one medium
-each, mixed in every step. For each training mode (LoRA r16 on attention + experts, and full
-fine-tuning) the same model, prompts and seed run ``--steps`` GRPO steps with updates in between,
-once with the option off and once on. Per step: the share of completion tokens whose rollout
-logprob equals the trainer's bitwise (``train_rollout_logprob_exact_fraction``), mean |delta|,
-generation and update seconds; with the option on also per modality. ``samples_per_s`` counts
-every step after the first (Triton's compilation and the CUDA graph's capture are in step 1);
-``on_over_off`` is the on/off ratio of it (target >= 0.85).
+The thinker at real widths (``thinker_rig``, ``--layers`` text layers), per training mode (LoRA,
+full) ``--steps`` GRPO steps with the option off, then on: per step the share of completion
+tokens whose rollout logprob equals the trainer's bitwise, mean |delta|, seconds; ``samples_per_s``
+after step 1 and ``on_over_off`` (target >= 0.85). The setup: docs/exact-logprobs.md, "Measured".
 
 Prints ONE JSON object.
 
@@ -38,8 +32,7 @@ KINDS = ("image", "audio", "video", "text")
 def run_one(
     args: argparse.Namespace, cfg: dict[str, Any], vl_dir: Path, mode: str, exact: bool
 ) -> dict[str, Any]:
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.config import LoraConfig
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.exact import enable_exact_logprobs
     from omni_grpo.exact.towers import clear_item_caches
@@ -59,16 +52,10 @@ def run_one(
         lora = None
         if mode == "lora":
             lora = LoraConfig(rank=16, alpha=32.0, targets=["attention", "experts"])
-        trainer_cfg = TrainerConfig(
-            device="cuda",
-            lr=1e-5 if lora else 1e-6,
-            micro_batch_size=args.micro_batch_size,
-            micro_batch_tokens=args.micro_batch_tokens,
-            lora=lora,
-            gradient_checkpointing=True,
+        mb = dict(
+            micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens
         )
-        algo = AlgoConfig(kl_coef=0.01, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
-        backend = TorchBackend(thinker, trainer_cfg, algo, pad_token_id=pad, device=device)
+        backend = rig.trainer(thinker, device, pad, lora, 0.01, lr=1e-5 if lora else 1e-6, **mb)
         switched = enable_exact_logprobs(thinker) if exact else {}
         engine = rig.engine(thinker, eos, device)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)

@@ -2,26 +2,13 @@
 layer, projected to the released 48 text layers and checked against a run at the deepest depth
 that fits.
 
-Each depth is one spawned process (its peak is its own). The thinker is built at the real widths
-(text: hidden 2048, 32 heads / 4 KV groups, head dim 128, 128 experts top-8, expert FFN 768, vocab
-152064; vision tower at its real widths AND real depth 27, deepstack 8/16/24), random weights
-drawn directly in GPU memory in bf16 (the 48-layer model is ~63 GB: nothing is written to disk),
-wrapped as the trainer wraps a loaded checkpoint (``omni_grpo.models.loader.wrap_vl``), then
-trained by the real ``TorchBackend`` with ``trainer.lora`` and ``trainer.gradient_checkpointing``,
-sampling through the real embedded engine (static-KV CUDA-graph decode). A step is the full GRPO
-step: ``--prompts`` image prompts x ``--group`` samples, ``--max-new-tokens`` new tokens (the
-end-of-turn ids are banned so every sample is full length: the worst case), random rewards ->
-group advantages -> one update (micro-batches of one prompt's ``--group`` rows, k3 KL to the
-adapters-disabled base, which costs a no-grad forward and no memory). ``--steps`` steps; the peak
-is over all of them (the first allocates AdamW's state).
-
-Per depth: peak ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of the generation
-and update phases, the model's bf16 bytes, the adapters' fp32 bytes, AdamW's state bytes, times.
-The fit is least squares of the step peak on the fit depths (``--layers``); the projection is
-``intercept + 48 * slope``; the deep run (``--deep``, falling back through ``--deep-fallback``
-when it does not fit) is compared with the projection at its own depth (ratio measured /
-projected). The audio tower is not built (image prompts never run it); the released tower's
-bf16 weights (0.65 B parameters, ~1.2 GiB) come on top when a batch has audio.
+Each depth is one spawned process (its peak is its own): the thinker at real widths, random bf16
+weights drawn on the device (``thinker_rig``), one full LoRA GRPO step per ``--steps`` (image
+prompts, full-length samples, k3 KL to the adapters-disabled base, AdamW); per depth the peak
+allocated and reserved memory of generation and update and the model's, adapters' and AdamW's
+bytes. Least squares of the step peak on ``--layers``, projected to 48 and compared with the
+``--deep`` run (falling back through ``--deep-fallback``). The method and the audio tower left
+out: docs/one-gpu-lora.md, "The memory model (measured)".
 
 Prints ONE JSON object.
 
@@ -64,8 +51,7 @@ def _mem(device: torch.device) -> dict[str, float]:
 
 def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     """One depth: build, then ``args.steps`` full GRPO steps; peaks and sizes."""
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, DataConfig, LoraConfig, TrainerConfig
+    from omni_grpo.config import DataConfig, LoraConfig
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.types import GRPOBatch, SamplingParams
 
@@ -91,16 +77,10 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     prompts = [builder.build(s, "/") for s in samples]
     eos, pad = rig.stop_ids(vl_dir, tok)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
-    trainer_cfg = TrainerConfig(
-        device=args.device,
-        lr=1e-5,
-        micro_batch_size=args.group,
-        max_grad_norm=1.0,
-        lora=lora,
-        gradient_checkpointing=not args.no_checkpointing,
+    ckpt, mb = not args.no_checkpointing, args.group
+    backend = rig.trainer(
+        thinker, device, pad, lora, args.kl_coef, micro_batch_size=mb, gradient_checkpointing=ckpt
     )
-    algo = AlgoConfig(kl_coef=args.kl_coef, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
-    backend = TorchBackend(thinker, trainer_cfg, algo, pad_token_id=pad, device=device)
     adapters = [p for p in thinker.parameters() if p.requires_grad]
     adapter_bytes = sum(p.numel() * p.element_size() for p in adapters)
     engine = rig.engine(thinker, eos, device, tok)

@@ -1,43 +1,13 @@
 """The released Qwen3-Omni thinker on ONE GPU: a LoRA GRPO step per phase, against the hardware.
 
-The model is the released architecture with random bf16 weights drawn directly on the GPU (no
-checkpoint exists offline): text 48 layers at real widths and vocabulary (hidden 2048, 32 heads /
-4 KV groups, head dim 128, 128 experts top-8, expert FFN 768, vocab 152064), the vision tower at
-real widths and depth 27, the audio tower at real widths and depth 32 (d_model 1280, 20 heads,
-FFN 5120). The trainer is the real ``TorchBackend`` with ``trainer.lora`` (rank 16 on attention
-+ experts by default, grouped low-rank experts) and gradient checkpointing; rollouts come from
-the real embedded engine (one prefill per prompt, static-KV CUDA-graph decode). Prompts mix the
-three modalities, one medium each, in one step: an image (448 x 448), 30 s of audio, a 16-frame
-video (synthetic pixels and waveform: media decoding is not what is measured). End-of-turn ids
-are banned, so every sample is ``--max-new-tokens`` long (the worst case).
-
-Per step: generation seconds, the reference-logprob forward (k3 KL to the adapters-disabled
-base), the policy forward/backward/optimizer; generated tokens/s and its ratio to the decode
-roofline; update MFU; peak memory; rollout<->trainer logprob Pearson and mean |delta|.
-
-Limits measured in the same run: the device-to-device copy bandwidth (a 4 GiB copy, bytes read +
-written) and the bf16 matmul rate (8192^3). The decode roofline counts, for every decode step,
-the bytes it must read once (``decode_step_bytes``): every dense weight of the text model (attention
-projections, norms, router, LM head), the expected distinct experts hit by the step's rows
-(``E * (1 - (1 - k/E)^rows)`` of 128, each 3 x 768 x 2048 bf16), the LoRA factors read in bf16,
-and the KV cache of every row up to its current length (left-padding included: it is read).
-Prefill is counted as FLOPs (2 x active parameters per prompt token) at the measured matmul
-rate. ``generation_roofline_ratio`` = (decode bytes / copy bandwidth + prefill FLOPs / matmul
-rate) / measured generation seconds. Update MFU = model FLOPs done / seconds / matmul rate, with
-the FLOPs of every pass done: the reference forward, the policy forward, its recompute
-(checkpointing: the decoder layers only — the LM head is outside them; with
-``--checkpoint-policy selective`` without the attention's projections and core, which are kept)
-and the backward's activation gradients (1x forward: the base weights are frozen, so no weight
-gradients), LoRA's own FLOPs and the towers left out (small, frozen). (Until session 33 the
-recompute counted the LM head too: 1.5 % more FLOPs at 8 x 8 x 512.)
-
-Real lengths (``--lengths lognormal:MEDIAN:SIGMA``): each row's completion ends at a length drawn
-per step (seeded) from a lognormal, clipped to ``--max-new-tokens``, instead of the uniform worst
-case; ``--batching both`` generates every step with the static decoder and the continuous one
-(``models.continuous``) on the same drawn lengths, in the same process, and reports their
-tokens/s and ratio. Their roofline counts only the rows still running at each decode step (their
-distinct experts and their KV): finished rows are not free in the ratio. ``--long-prompts``: 60 s
-of audio and a 32-frame video in every prompt. ``--generation-only`` skips the update.
+The released architecture (text 48 layers, vision 27, audio 32, real widths and vocabulary) with
+random bf16 weights drawn on the GPU (``thinker_rig``); the real ``TorchBackend`` with
+``trainer.lora`` and checkpointing; rollouts from the embedded engine; image, audio and video
+prompts mixed in one step, end-of-turn ids banned (every sample ``--max-new-tokens`` long). Per
+step: generation, reference forward and update seconds; tokens/s against the decode roofline and
+update MFU (``roofline``, over ``harness.device_limits`` measured in the same run); peak memory;
+rollout<->trainer logprob mismatch. ``--lengths lognormal:MEDIAN:SIGMA``, ``--batching both``,
+``--long-prompts``, ``--generation-only`` and the method: docs/one-gpu-lora.md.
 
 Prints ONE JSON object.
 
@@ -91,8 +61,7 @@ def _percentiles(lengths: list[int]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.config import LoraConfig
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.exact.towers import clear_item_caches
     from omni_grpo.types import GRPOBatch, SamplingParams
@@ -122,19 +91,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lora = LoraConfig(
         rank=args.rank, alpha=args.alpha, targets=targets, expert_path=args.expert_path
     )
-    trainer_cfg = TrainerConfig(
-        device=args.device,
-        lr=1e-5,
-        micro_batch_size=args.micro_batch_size,
-        micro_batch_tokens=args.micro_batch_tokens,
-        max_grad_norm=1.0,
-        lora=lora,
-        gradient_checkpointing=True,
-        checkpoint_policy=args.checkpoint_policy,
-        compile=args.compile,
+    mb = dict(micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens)
+    policy, compile_ = args.checkpoint_policy, args.compile
+    backend = rig.trainer(
+        thinker, device, pad, lora, 0.01, **mb, checkpoint_policy=policy, compile=compile_
     )
-    algo = AlgoConfig(kl_coef=0.01, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
-    backend = TorchBackend(thinker, trainer_cfg, algo, pad_token_id=pad, device=device)
     if args.exact_logprobs:  # rollout.exact_logprobs: the same switch the trainer makes
         from omni_grpo.exact import enable_exact_logprobs
 

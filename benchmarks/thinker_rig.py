@@ -21,18 +21,30 @@ import released
 import torch
 
 
-def vl_dir_at(skeleton: Path, dst: Path, layers: int, widths: str) -> tuple[Path, dict[str, Any]]:
-    """A weightless ``vl`` directory (config + tokenizer/processor files) at the requested widths
-    and depth: what ``wrap_vl`` and the prompt builder read. Returns it and the config dict."""
+def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -> dict[str, Any]:
+    """The skeleton's ``vl`` config at the requested widths and depth; ``vision_depth``: the
+    vision tower's (deepstack taps after its last 3 blocks), else the released one."""
     cfg = json.loads((skeleton / "vl" / "config.json").read_text())
     text, vision = cfg["text_config"], cfg["vision_config"]
     if widths == "real":
         text.update(released.TEXT)
         vision.update(released.VISION | released.VISION_DEPTH)
+        if vision_depth:
+            taps = [*range(vision_depth - 3, vision_depth)]
+            vision.update(depth=vision_depth, deepstack_visual_indexes=taps)
         for key in ("rope_scaling", "rope_parameters"):  # head dim 128: the real M-RoPE sections
             if isinstance(text.get(key), dict) and "mrope_section" in text[key]:
                 text[key]["mrope_section"] = list(released.ROPE["mrope_section"])
     text["num_hidden_layers"] = layers
+    return cfg
+
+
+def vl_dir_at(
+    skeleton: Path, dst: Path, layers: int, widths: str, vision_depth: int = 0
+) -> tuple[Path, dict[str, Any]]:
+    """A weightless ``vl`` directory (:func:`config_at` + the skeleton's tokenizer/processor
+    files): what ``wrap_vl`` and the prompt builder read. Returns it and the config dict."""
+    cfg = config_at(skeleton, layers, widths, vision_depth)
     dst.mkdir(parents=True, exist_ok=True)
     skip = ("config.json", "model.safetensors.index.json")
     for f in (skeleton / "vl").iterdir():
@@ -196,6 +208,17 @@ def engine(thinker: Any, eos: list[int], device: torch.device, tok: Any = None, 
         banned_token_ids=media_token_ids(thinker) + eos,
         **kw,
     )
+
+
+def trainer(thinker: Any, device: torch.device, pad: int, lora: Any, kl: float, **kw: Any) -> Any:
+    """The real ``TorchBackend`` with gradient checkpointing: k3 KL to the base, clip 0.2 / 0.28,
+    lr 1e-5; ``kw``: other ``TrainerConfig`` fields (or these)."""
+    from omni_grpo.backends.torch_backend import TorchBackend
+    from omni_grpo.config import AlgoConfig, TrainerConfig
+
+    kw = {"device": str(device), "lr": 1e-5, "gradient_checkpointing": True, "lora": lora, **kw}
+    algo = AlgoConfig(kl_coef=kl, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
+    return TorchBackend(thinker, TrainerConfig(**kw), algo, pad_token_id=pad, device=device)
 
 
 def advantages(groups: list[Any], group: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 import harness
 import numpy as np
 import released
+import thinker_rig as rig
 import torch
 
 QUESTION = "What is shown here? Describe the colours, then answer in one word."
@@ -46,43 +47,17 @@ def reward_text(text: str) -> float:
 
 # ------------------------------------------------------------------------------ the checkpoint
 def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> Path:
-    """A random ``vl`` checkpoint with the skeleton's files at the requested widths and depth.
-
-    The weights are drawn on ``device`` (seconds for 3 B parameters on a GPU) and written with
-    ``save_pretrained`` beside the skeleton's tokenizer, processor and generation files and its
-    ``omni_sideband`` block. The audio tower stays the skeleton's (image and video prompts never
-    run it); the vision tower gets the real widths at depth ``max(layers, 3)``.
-    """
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
+    """A random ``vl`` checkpoint (``thinker_rig.build_vl``, saved) with the skeleton's files at
+    the requested widths and depth; the vision tower at depth ``max(layers, 3)``, the audio tower
+    the skeleton's (image and video prompts never run it)."""
     if (dst / "config.json").is_file():
         return dst
-    cfg = json.loads((skeleton / "vl" / "config.json").read_text())
-    text, vision = cfg["text_config"], cfg["vision_config"]
-    text["num_hidden_layers"] = layers
-    if widths == "real":
-        depth = max(layers, 3)
-        text.update(released.TEXT)
-        vision.update(
-            released.VISION, depth=depth, deepstack_visual_indexes=[*range(depth - 3, depth)]
-        )
-        for key in ("rope_scaling", "rope_parameters"):  # head dim 128: the real M-RoPE sections
-            if isinstance(text.get(key), dict) and "mrope_section" in text[key]:
-                text[key]["mrope_section"] = [24, 20, 20]
-    config = Qwen3VLMoeConfig(**{k: v for k, v in cfg.items() if k != "omni_sideband"})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3VLMoeForConditionalGeneration(config)
-    tmp = dst.with_name(dst.name + ".tmp")
+    tmp, depth = dst.with_name(dst.name + ".tmp"), max(layers, 3)
     shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16 if device == "cuda" else torch.float32).save_pretrained(tmp)
-    del model
-    skip = ("config.json", "model.safetensors.index.json")
-    for f in (skeleton / "vl").iterdir():
-        if f.suffix != ".safetensors" and f.name not in skip:
-            shutil.copy(f, tmp / f.name)
-    written = json.loads((tmp / "config.json").read_text())
-    (tmp / "config.json").write_text(json.dumps({**written, "omni_sideband": cfg["omni_sideband"]}))
+    cfg = rig.config_at(skeleton, layers, widths, depth)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rig.build_vl(cfg, torch.device(device), dtype).save_pretrained(tmp)
+    rig.vl_dir_at(skeleton, tmp, layers, widths, depth)  # the skeleton's files over the saved ones
     os.replace(tmp, dst)
     return dst
 
