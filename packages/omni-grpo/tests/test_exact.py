@@ -98,14 +98,18 @@ def test_auto_on_a_cpu_model_and_on_ray_actors_is_off() -> None:
     on, line = resolve_exact(cfg, SimpleNamespace(lm_head=torch.nn.Linear(4, 4)))
     assert not on and "needs the model on a CUDA device (it is on cpu)" in line
     assert "turn the option off" not in line  # auto turned it off: no advice to do so
-    on, line = resolve_exact(load_config(None, ["rollout.embedded.actors=1"]), None)
+    on, line = resolve_exact(
+        load_config(None, ["rollout.embedded.actors=1"]), None, distributed=True
+    )
     assert not on and "in-process embedded engine" in line and "Ray scale path" in line
+    on, line = resolve_exact(load_config(None, ["trainer.backend=megatron"]), None)
+    assert not on and "needs trainer.backend torch" in line and "Ray" not in line
     assert resolve_exact(load_config(None, ["rollout.exact_logprobs=false"]), None) == (
         False,
         "rollout.exact_logprobs: off (false in the config)",
     )
     with pytest.raises(ExactLogprobsUnsupported, match="true, but the Ray scale path"):
-        resolve_exact(load_config(None, ["rollout.exact_logprobs=true"]), None)
+        resolve_exact(load_config(None, ["rollout.exact_logprobs=true"]), None, distributed=True)
 
 
 def test_the_run_states_it_in_its_first_lines(caplog: pytest.LogCaptureFixture) -> None:

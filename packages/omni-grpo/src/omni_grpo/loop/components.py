@@ -58,7 +58,9 @@ class RunComponents:
             self.ray_run.close()
 
 
-def resolve_exact(cfg: OmniGRPOConfig, policy: Any) -> tuple[bool, str]:
+def resolve_exact(
+    cfg: OmniGRPOConfig, policy: Any, *, distributed: bool = False
+) -> tuple[bool, str]:
     """``rollout.exact_logprobs`` for this run: (on, the sentence the run's first lines say).
 
     ``true`` was checked against the settings when the config loaded; here the model's device,
@@ -74,12 +76,14 @@ def resolve_exact(cfg: OmniGRPOConfig, policy: Any) -> tuple[bool, str]:
     if setting is False:
         return False, "rollout.exact_logprobs: off (false in the config)"
     reasons = [] if setting is True else exact_obstacles(cfg)
-    if policy is None:  # trainer ranks or rollout actors in other processes
+    if distributed:  # trainer ranks or rollout actors in other processes
         reasons.append("the Ray scale path (trainer or rollout actors) does not run it yet")
     elif setting == "auto" and cfg.rollout.max_staleness:
         reasons.append("rollout.max_staleness 1 samples with weights one version old")
     elif setting == "auto" and cfg.rollout.embedded.extra_groups:
         reasons.append("rollout.embedded.extra_groups continues samples of earlier policies")
+    if policy is None and not reasons:  # a backend without an in-process policy
+        reasons.append(f"trainer.backend {cfg.trainer.backend!r} has no in-process policy")
     if not reasons:
         try:
             check_supported(policy)
@@ -126,7 +130,7 @@ def start_components(
             vocab_size=len(tokenizer),
             media_ids=media_ids,
         )
-        exact = resolve_exact(cfg, None)
+        exact = resolve_exact(cfg, None, distributed=True)
         return RunComponents(ray_run.backend, ray_run.engine, ray_run.sync, ray_run, exact)
 
     backend = create_backend(
