@@ -121,6 +121,8 @@ def start_components(
     if plan_run(cfg).distributed:
         from omni_grpo.ray.driver import start_ray_run
 
+        # before any actor starts: an explicit true that cannot hold stops the run here
+        exact = resolve_exact(cfg, None, distributed=True)
         ray_run = start_ray_run(
             cfg,
             run_dir,
@@ -130,7 +132,6 @@ def start_components(
             vocab_size=len(tokenizer),
             media_ids=media_ids,
         )
-        exact = resolve_exact(cfg, None, distributed=True)
         return RunComponents(ray_run.backend, ray_run.engine, ray_run.sync, ray_run, exact)
 
     backend = create_backend(
