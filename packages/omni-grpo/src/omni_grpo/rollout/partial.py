@@ -14,8 +14,9 @@ as off-policy (TIS) and leave out of the exact-logprob check. The noise of every
 on the sample and the token index (``models.continuous``), so a sample continued with unchanged
 weights is the sample that would have been drawn in one go.
 
-Wraps an :class:`~omni_grpo.rollout.embedded.EmbeddedEngine` with continuous batching. Not yet
-wired into ``omni-grpo train``: the benchmark drives it (``one_gpu_thinker.py --extra-groups``).
+Wraps an :class:`~omni_grpo.rollout.embedded.EmbeddedEngine` with continuous batching;
+``omni-grpo train`` uses it with ``rollout.embedded.extra_groups`` (``loop.rollout_batches``),
+the benchmark with ``one_gpu_thinker.py --extra-groups``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class PartialRollouts:
         self.calls = 0
         self._next_key = int(torch.randint(0, 2**30, (1,)))  # the global RNG: resumable
         self.last_stats: dict[str, float] = {}
+        # per row the last call decoded: (prompt + earlier tokens, tokens drawn in the call),
+        # what a roofline of the call counts (its rows' KV and the steps they stay live)
+        self.last_rows: list[tuple[int, int]] = []
+        self.last_prefill: list[int] = []  # the lengths the call prefilled (shared per prompt)
 
     def _group(self, prompt: PromptInputs, n: int) -> GroupInFlight:
         limits: list[int | None] = [None] * n
@@ -76,8 +81,11 @@ class PartialRollouts:
         for g in groups:
             for s in g.samples:
                 s.call = self.calls
+        running = [(g, s) for g in groups for s in g.samples if s.reason is None]
+        starts = [len(s.token_ids) for _, s in running]
         before = sum(len(s.token_ids) for g in groups for s in g.samples)
         self.engine.continue_groups(groups, len(prompts), sampling)
+        self._record_rows(running, starts)
         taken = [g for g in groups if g.done][: len(prompts)]
         chosen = {id(g) for g in taken}
         self.carry = [g for g in groups if id(g) not in chosen]
@@ -92,6 +100,19 @@ class PartialRollouts:
             "groups_in_flight": float(len(self.carry)),
         }
         return out
+
+    def _record_rows(
+        self, running: list[tuple[GroupInFlight, SampleInFlight]], starts: list[int]
+    ) -> None:
+        """What the last call decoded and prefilled: a fresh group's samples share one prefill
+        of its prompt; a resumed sample re-prefills its prompt and its earlier tokens."""
+        pairs = list(zip(running, starts, strict=True))
+        self.last_rows = [
+            (len(g.prompt.input_ids) + n0, len(s.token_ids) - n0) for (g, s), n0 in pairs
+        ]
+        shared = {id(g): len(g.prompt.input_ids) for (g, _), n0 in pairs if not n0}
+        resumed = [len(g.prompt.input_ids) + n0 for (g, _), n0 in pairs if n0]
+        self.last_prefill = list(shared.values()) + resumed
 
     def _completion(self, prompt: PromptInputs, sample: SampleInFlight) -> Completion:
         done = self.engine.completion(prompt, sample.token_ids, sample.logprobs, sample.reason)
