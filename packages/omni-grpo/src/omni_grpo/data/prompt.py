@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from omni_rope import OmniRopeConfig, audio_in_video_segment_ids
 
 from omni_grpo.data.ablation import ABLATIONS, neutralise
 from omni_grpo.data.audio import audio_features, audio_tokens, whisper_kwargs
@@ -28,6 +29,7 @@ from omni_grpo.data.media import (
     load_audio,
     load_image,
     load_video,
+    load_video_audio,
     resolve_media,
 )
 from omni_grpo.data.schema import PLACEHOLDER
@@ -133,6 +135,7 @@ class PromptBuilder:
         self.whisper = whisper_kwargs(self.model_dir)
         self.system_prompt = system_prompt
         self.ablate = ablate  # media types replaced by a neutral input (omni_grpo.data.ablation)
+        self._rope_config: OmniRopeConfig | None = None  # read on the first audio-in-video
 
     def ablated(self, name: str) -> PromptBuilder:
         """The same builder with the media of ablation ``name`` (``ABLATIONS``) made neutral."""
@@ -193,21 +196,36 @@ class PromptBuilder:
                 raise MediaError("missing", "embedded media item has neither bytes nor a path")
         return resolve_media(root, item["path"])
 
+    def audio_in_video(self, sample: Sample) -> bool:
+        """Whether the sample's videos bring their sound tracks: the row's own
+        ``use_audio_in_video``, else ``data.use_audio_in_video`` (only where there is a video)."""
+        if not any(item["type"] == "video" for item in sample.media):
+            return False
+        flag = sample.use_audio_in_video
+        return bool(self.data.use_audio_in_video if flag is None else flag)
+
+    @property
+    def rope_config(self) -> OmniRopeConfig:
+        """omni-rope's view of the checkpoint: the audio-in-video interleave is computed by the
+        same code that positions it, so the layout and the position ids cannot disagree."""
+        if self._rope_config is None:
+            self._rope_config = OmniRopeConfig.from_pretrained_dir(self.model_dir)
+        return self._rope_config
+
     def _media(
         self, sample: Sample, root: Path, blobs: BlobFetcher | None = None
-    ) -> tuple[dict[str, list[Any]], list[int]]:
-        """Decode and process every media item; returns tensors per key and the per-item token counts.
+    ) -> tuple[dict[str, list[Any]], list[list[int]]]:
+        """Decode and process every media item; returns tensors per key and, per item, the token
+        ids its one pad token of the chat template becomes.
 
         Anything the decoders or processors raise on an item is that item's ``MediaError``: the
         input is foreign, and one bad item must cost one row, never the run.
         """
-        d, lim = self.data, self.limits
         out: dict[str, list[Any]] = {
             k: [] for k in ("img", "img_grid", "vid", "vid_grid", "spg", "feat", "mask")
         }
-        counts: list[int] = []
-        # the feature extractor's reflect padding needs more than half an STFT window
-        min_samples = int(self.whisper.get("n_fft", 400)) // 2 + 1
+        bodies: list[list[int]] = []
+        with_audio = self.audio_in_video(sample)
         for item in sample.media:
             src = self.source(item, root, blobs)
             name = None  # a file names itself (its resolved path)
@@ -215,45 +233,73 @@ class PromptBuilder:
                 name = f"{sample.uid}: embedded {item['type']} {item.get('path') or ''}".rstrip()
             try:
                 if item["type"] == "image":
-                    pv, grid = process_image(
-                        neutralise(
-                            "image", load_image(src, lim.max_source_pixels, name), self.ablate
-                        ),
-                        self.image_cfg,
-                        d.image_max_pixels,
-                        d.image_min_pixels,
-                    )
-                    out["img"].append(pv)
-                    out["img_grid"].append(grid)
-                    counts.append(tokens_for_grid(grid, self.image_cfg.merge_size))
+                    bodies.append(self._image(src, name, out))
                 elif item["type"] == "video":
-                    clip = neutralise(
-                        "video", load_video(src, d.video_fps, d.max_frames, name, lim), self.ablate
-                    )
-                    pv, grid = process_frames(
-                        clip.frames, self.video_cfg, max_pixels=d.video_max_pixels
-                    )
-                    out["vid"].append(pv)
-                    out["vid_grid"].append(grid)
-                    out["spg"].append(self.video_cfg.temporal_patch_size / clip.fps)
-                    counts.append(tokens_for_grid(grid, self.video_cfg.merge_size))
+                    bodies.append(self._video(src, name, out, with_audio))
                 else:
-                    wave = neutralise(
-                        "audio",
-                        load_audio(src, lim.audio_max_seconds, name, min_samples),
-                        self.ablate,
-                    )
-                    feats, mask = audio_features(wave, self.whisper)
-                    out["feat"].append(feats[0])
-                    out["mask"].append(mask[0])
-                    counts.append(audio_tokens(mask, self.tokens.audio_n_window))
+                    n = self._audio(load_audio, src, name, out, self.limits.audio_max_seconds)
+                    bodies.append([self.tokens.audio_token_id] * n)
             except MediaError:
                 raise
             except Exception as err:  # e.g. an image too small/elongated to resize
                 raise MediaError(
                     "unreadable", f"{name or src}: {type(err).__name__}: {err}"
                 ) from None
-        return out, counts
+        return out, bodies
+
+    def _image(self, src: Source, name: str | None, out: dict[str, list[Any]]) -> list[int]:
+        d = self.data
+        image = load_image(src, self.limits.max_source_pixels, name)
+        pv, grid = process_image(
+            neutralise("image", image, self.ablate),
+            self.image_cfg,
+            d.image_max_pixels,
+            d.image_min_pixels,
+        )
+        out["img"].append(pv)
+        out["img_grid"].append(grid)
+        return [self.tokens.image_token_id] * tokens_for_grid(grid, self.image_cfg.merge_size)
+
+    def _video(
+        self, src: Source, name: str | None, out: dict[str, list[Any]], with_audio: bool
+    ) -> list[int]:
+        """Frames (and with ``with_audio`` the sound track, after them in the audio features, as
+        the processor orders a video's audio among the prompt's audios) -> the pad's tokens."""
+        d, lim = self.data, self.limits
+        clip = neutralise(
+            "video", load_video(src, d.video_fps, d.max_frames, name, lim), self.ablate
+        )
+        pv, grid = process_frames(clip.frames, self.video_cfg, max_pixels=d.video_max_pixels)
+        spg = self.video_cfg.temporal_patch_size / clip.fps
+        out["vid"].append(pv)
+        out["vid_grid"].append(grid)
+        out["spg"].append(spg)
+        if not with_audio:
+            return [self.tokens.video_token_id] * tokens_for_grid(grid, self.video_cfg.merge_size)
+        # The track covers what the frames cover: the video prefix, and no more than any audio.
+        seconds = min(lim.audio_max_seconds or lim.video_max_seconds, lim.video_max_seconds)
+        self._audio(load_video_audio, src, name, out, seconds)
+        frames = int(out["mask"][-1].sum())
+        # <vision_start> <audio_start> [frames / audio interleaved in time] <audio_end> <vision_end>
+        segment = audio_in_video_segment_ids(self.rope_config, grid, spg, frames)
+        return segment[1:-1].tolist()  # the template already wrote the vision markers
+
+    def _audio(
+        self,
+        loader: Callable[..., Any],
+        src: Source,
+        name: str | None,
+        out: dict[str, list[Any]],
+        max_seconds: float | None,
+    ) -> int:
+        """Decode with ``loader``, append the Whisper features; returns the placeholder count."""
+        # the feature extractor's reflect padding needs more than half an STFT window
+        min_samples = int(self.whisper.get("n_fft", 400)) // 2 + 1
+        wave = neutralise("audio", loader(src, max_seconds, name, min_samples), self.ablate)
+        feats, mask = audio_features(wave, self.whisper)
+        out["feat"].append(feats[0])
+        out["mask"].append(mask[0])
+        return audio_tokens(mask, self.tokens.audio_n_window)
 
     @staticmethod
     def _pack(out: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
@@ -275,12 +321,12 @@ class PromptBuilder:
             )
         return mm
 
-    def expand(self, ids: list[int], sample: Sample, counts: list[int]) -> list[int]:
-        """Repeat the k-th pad token of each media type to the k-th item's token count."""
+    def expand(self, ids: list[int], sample: Sample, bodies: list[list[int]]) -> list[int]:
+        """Replace the k-th pad token of each media type by the k-th item's tokens (``_media``)."""
         pad_of = {getattr(self.tokens, f): t for t, f in PAD_ID_FIELDS.items()}
-        per_type: dict[str, list[int]] = {t: [] for t in PAD_ID_FIELDS}
-        for item, n in zip(sample.media, counts, strict=True):
-            per_type[item["type"]].append(n)
+        per_type: dict[str, list[list[int]]] = {t: [] for t in PAD_ID_FIELDS}
+        for item, body in zip(sample.media, bodies, strict=True):
+            per_type[item["type"]].append(body)
         found = {t: sum(1 for i in ids if pad_of.get(i) == t) for t in PAD_ID_FIELDS}
         wanted = {t: len(v) for t, v in per_type.items()}
         if found != wanted:
@@ -294,7 +340,7 @@ class PromptBuilder:
             if t is None:
                 out.append(i)
                 continue
-            out.extend([i] * per_type[t][cursor[t]])
+            out.extend(per_type[t][cursor[t]])
             cursor[t] += 1
         return out
 
@@ -307,6 +353,11 @@ class PromptBuilder:
         Raises ``MediaError`` (with a counter ``reason``) for a missing, escaping, oversized or
         unreadable item.
         """
-        out, counts = self._media(sample, Path(root), blobs)
-        ids = self.expand(self.template_ids(sample), sample, counts)
-        return PromptInputs(sample=sample, input_ids=ids, mm=self._pack(out))
+        out, bodies = self._media(sample, Path(root), blobs)
+        ids = self.expand(self.template_ids(sample), sample, bodies)
+        return PromptInputs(
+            sample=sample,
+            input_ids=ids,
+            mm=self._pack(out),
+            use_audio_in_video=self.audio_in_video(sample),
+        )
