@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from omni_rope import OmniRopeConfig, audio_in_video_segment_ids
 
@@ -218,6 +219,11 @@ class PromptBuilder:
         """Decode and process every media item; returns tensors per key and, per item, the token
         ids its one pad token of the chat template becomes.
 
+        The prompt's audios (standalone ones and the videos' own tracks, in prompt order) go
+        through the feature extractor in ONE call, as the Omni processor sends them: a batch pads
+        every wave to the longest, which can give a shorter one a mel frame more (its length not
+        a multiple of the hop) and so a placeholder more; one call per audio would not match.
+
         Anything the decoders or processors raise on an item is that item's ``MediaError``: the
         input is foreign, and one bad item must cost one row, never the run.
         """
@@ -225,8 +231,11 @@ class PromptBuilder:
             k: [] for k in ("img", "img_grid", "vid", "vid_grid", "spg", "feat", "mask")
         }
         bodies: list[list[int]] = []
+        waves: list[np.ndarray] = []
+        # per wave: its item's index and, for a video's track, the video's (grid, seconds/grid)
+        owners: list[tuple[int, tuple[torch.Tensor, float] | None]] = []
         with_audio = self.audio_in_video(sample)
-        for item in sample.media:
+        for k, item in enumerate(sample.media):
             src = self.source(item, root, blobs)
             name = None  # a file names itself (its resolved path)
             if item.get("blob") is not None:
@@ -234,17 +243,26 @@ class PromptBuilder:
             try:
                 if item["type"] == "image":
                     bodies.append(self._image(src, name, out))
-                elif item["type"] == "video":
-                    bodies.append(self._video(src, name, out, with_audio))
+                    continue
+                if item["type"] == "video":
+                    bodies.append(self._video(src, name, out))
+                    if not with_audio:
+                        continue
+                    owner = (out["vid_grid"][-1], out["spg"][-1])
+                    waves.append(self._wave(load_video_audio, src, name, self._track_seconds))
                 else:
-                    n = self._audio(load_audio, src, name, out, self.limits.audio_max_seconds)
-                    bodies.append([self.tokens.audio_token_id] * n)
+                    bodies.append([])
+                    owner = None
+                    waves.append(self._wave(load_audio, src, name, self.limits.audio_max_seconds))
+                owners.append((k, owner))
             except MediaError:
                 raise
             except Exception as err:  # e.g. an image too small/elongated to resize
                 raise MediaError(
                     "unreadable", f"{name or src}: {type(err).__name__}: {err}"
                 ) from None
+        if waves:
+            self._audio_bodies(waves, owners, bodies, out)
         return out, bodies
 
     def _image(self, src: Source, name: str | None, out: dict[str, list[Any]]) -> list[int]:
@@ -260,46 +278,54 @@ class PromptBuilder:
         out["img_grid"].append(grid)
         return [self.tokens.image_token_id] * tokens_for_grid(grid, self.image_cfg.merge_size)
 
-    def _video(
-        self, src: Source, name: str | None, out: dict[str, list[Any]], with_audio: bool
-    ) -> list[int]:
-        """Frames (and with ``with_audio`` the sound track, after them in the audio features, as
-        the processor orders a video's audio among the prompt's audios) -> the pad's tokens."""
+    def _video(self, src: Source, name: str | None, out: dict[str, list[Any]]) -> list[int]:
+        """The frames' tensors; returns the pad's tokens when the video brings no sound."""
         d, lim = self.data, self.limits
         clip = neutralise(
             "video", load_video(src, d.video_fps, d.max_frames, name, lim), self.ablate
         )
         pv, grid = process_frames(clip.frames, self.video_cfg, max_pixels=d.video_max_pixels)
-        spg = self.video_cfg.temporal_patch_size / clip.fps
         out["vid"].append(pv)
         out["vid_grid"].append(grid)
-        out["spg"].append(spg)
-        if not with_audio:
-            return [self.tokens.video_token_id] * tokens_for_grid(grid, self.video_cfg.merge_size)
-        # The track covers what the frames cover: the video prefix, and no more than any audio.
-        seconds = min(lim.audio_max_seconds or lim.video_max_seconds, lim.video_max_seconds)
-        self._audio(load_video_audio, src, name, out, seconds)
-        frames = int(out["mask"][-1].sum())
-        # <vision_start> <audio_start> [frames / audio interleaved in time] <audio_end> <vision_end>
-        segment = audio_in_video_segment_ids(self.rope_config, grid, spg, frames)
-        return segment[1:-1].tolist()  # the template already wrote the vision markers
+        out["spg"].append(self.video_cfg.temporal_patch_size / clip.fps)
+        return [self.tokens.video_token_id] * tokens_for_grid(grid, self.video_cfg.merge_size)
 
-    def _audio(
-        self,
-        loader: Callable[..., Any],
-        src: Source,
-        name: str | None,
-        out: dict[str, list[Any]],
-        max_seconds: float | None,
-    ) -> int:
-        """Decode with ``loader``, append the Whisper features; returns the placeholder count."""
+    @property
+    def _track_seconds(self) -> float:
+        """A video's track covers what its frames cover (the first ``video_max_seconds``), and no
+        more than any audio may (``audio_max_seconds``)."""
+        lim = self.limits
+        return min(lim.audio_max_seconds or lim.video_max_seconds, lim.video_max_seconds)
+
+    def _wave(
+        self, loader: Callable[..., Any], src: Source, name: str | None, seconds: float | None
+    ) -> np.ndarray:
         # the feature extractor's reflect padding needs more than half an STFT window
         min_samples = int(self.whisper.get("n_fft", 400)) // 2 + 1
-        wave = neutralise("audio", loader(src, max_seconds, name, min_samples), self.ablate)
-        feats, mask = audio_features(wave, self.whisper)
-        out["feat"].append(feats[0])
-        out["mask"].append(mask[0])
-        return audio_tokens(mask, self.tokens.audio_n_window)
+        return neutralise("audio", loader(src, seconds, name, min_samples), self.ablate)
+
+    def _audio_bodies(
+        self,
+        waves: list[np.ndarray],
+        owners: list[tuple[int, tuple[torch.Tensor, float] | None]],
+        bodies: list[list[int]],
+        out: dict[str, list[Any]],
+    ) -> None:
+        """Features of all the prompt's waves in one call; then each audio's placeholders, and
+        each video-with-sound's interleaved block (replacing its plain frame pads)."""
+        feats, masks = audio_features(waves, self.whisper)
+        for (k, video), feat, mask in zip(owners, feats, masks, strict=True):
+            out["feat"].append(feat)
+            out["mask"].append(mask)
+            if video is None:
+                n = audio_tokens(mask, self.tokens.audio_n_window)
+                bodies[k] = [self.tokens.audio_token_id] * n
+                continue
+            grid, spg = video
+            frames = int(mask.sum())
+            # <vision_start> <audio_start> [frames / audio in time order] <audio_end> <vision_end>
+            segment = audio_in_video_segment_ids(self.rope_config, grid, spg, frames)
+            bodies[k] = segment[1:-1].tolist()  # the template already wrote the vision markers
 
     @staticmethod
     def _pack(out: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
