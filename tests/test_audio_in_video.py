@@ -322,3 +322,25 @@ def test_a_grpo_step_on_audio_in_video_prompts(rollouts: dict) -> None:
     metrics = backend.step(GRPOBatch(groups, adv))
     assert metrics["train_rollout_logprob_abs_diff"] < 1e-4
     assert metrics["skipped_step"] == 0 and metrics["grad_norm"] > 0
+
+
+def test_the_flag_and_the_track_survive_an_embedded_parquet(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """jsonl + files -> ``prepare-data parquet`` (media bytes in the table) -> the same prompt."""
+    from omni_grpo.data.schema import write_rows
+    from omni_grpo.data.sources import read_samples
+    from omni_grpo.data.tables import write_embedded_parquet
+
+    media = world["media"]
+    row = {"id": "r", "prompt": "<video>?", "label": "A", "use_audio_in_video": True}
+    row["media"] = [{"type": "video", "path": "b.mp4"}]
+    write_rows(media / "rows.jsonl", [row])
+    write_embedded_parquet(read_samples(media / "rows.jsonl"), media, tmp_path / "rows.parquet")
+    builder = PromptBuilder(world["vl"], DATA)
+    from_files = OmniDataset(media / "rows.jsonl", media, builder).load(0)
+    from_table = OmniDataset(tmp_path / "rows.parquet", tmp_path, builder).load(0)
+    assert from_table is not None and from_table.sample.use_audio_in_video is True
+    assert from_table.input_ids == from_files.input_ids
+    for key, value in from_files.mm.items():
+        assert torch.equal(from_table.mm[key], value), key

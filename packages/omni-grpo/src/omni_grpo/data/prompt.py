@@ -3,7 +3,9 @@
 The chat template writes ONE pad token per media item (``<|image_pad|>``, ``<|video_pad|>``,
 ``<|audio_pad|>``); we then repeat each pad to the item's token count — image/video ``t*h*w/4``,
 audio the tower's output length — exactly what the Omni processor would produce, without needing
-its torchvision-based video processor. Token ids come from the checkpoint's config.json (an
+its torchvision-based video processor. A video of an audio-in-video row (``use_audio_in_video``)
+brings its own sound track instead: its pad becomes ``<audio_start>`` + frame chunks and audio
+tokens in time order (omni-rope's interleave, the processor's) + ``<audio_end>``. Token ids come from the checkpoint's config.json (an
 omni-extract ``vl`` dir with ``omni_sideband``, or a hub Omni dir with ``thinker_config``).
 """
 
