@@ -5,8 +5,9 @@ The chat template writes ONE pad token per media item (``<|image_pad|>``, ``<|vi
 audio the tower's output length — exactly what the Omni processor would produce, without needing
 its torchvision-based video processor. A video of an audio-in-video row (``use_audio_in_video``)
 brings its own sound track instead: its pad becomes ``<audio_start>`` + frame chunks and audio
-tokens in time order (omni-rope's interleave, the processor's) + ``<audio_end>``. Token ids come from the checkpoint's config.json (an
-omni-extract ``vl`` dir with ``omni_sideband``, or a hub Omni dir with ``thinker_config``).
+tokens in time order (omni-rope's interleave, the processor's) + ``<audio_end>``. Token ids come
+from the checkpoint's config.json (an omni-extract ``vl`` dir with ``omni_sideband``, or a hub
+Omni dir with ``thinker_config``).
 """
 
 from __future__ import annotations
@@ -264,7 +265,12 @@ class PromptBuilder:
                     "unreadable", f"{name or src}: {type(err).__name__}: {err}"
                 ) from None
         if waves:
-            self._audio_bodies(waves, owners, bodies, out)
+            try:
+                self._audio_bodies(waves, owners, bodies, out)
+            except Exception as err:  # the extractor or the interleave on foreign input
+                raise MediaError(
+                    "unreadable", f"sample {sample.uid!r}: audio: {type(err).__name__}: {err}"
+                ) from None
         return out, bodies
 
     def _image(self, src: Source, name: str | None, out: dict[str, list[Any]]) -> list[int]:
