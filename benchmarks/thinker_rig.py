@@ -127,25 +127,31 @@ def write_images(root: Path, n: int, size: int) -> list[Path]:
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
-    """Install media loaders that return synthetic arrays (``--audio-seconds`` of a chirp,
-    ``--video-frames`` moving colour frames); returns the prompt builder's matching limits."""
+    """Install media loaders that return synthetic arrays (``--audio-seconds`` of a chirp, also
+    as every video's own sound track; ``--video-frames`` moving colour frames); returns the
+    prompt builder's matching limits. With ``--long-prompts`` the frames span the sound
+    (``video_frames / audio_seconds`` fps: 32 frames over 60 s), so the interleave spreads the
+    frame chunks through the audio as a real clip's would."""
     import omni_grpo.data.prompt as prompt_mod
     from omni_grpo.config import DataConfig
     from omni_grpo.data.media import VideoClip
+
+    fps = args.video_frames / args.audio_seconds if getattr(args, "long_prompts", False) else 2.0
 
     def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
         t = np.arange(int(args.audio_seconds * 16000)) / 16000
         return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
 
-    def video(src: Any, fps: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
+    def video(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
         n, size = args.video_frames, args.video_size
         yy, xx = np.mgrid[0:size, 0:size] / size
         frames = [
             (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8) for i in range(n)
         ]
-        return VideoClip(frames=np.stack(frames), fps=2.0)
+        return VideoClip(frames=np.stack(frames), fps=fps)
 
     prompt_mod.load_audio = audio
+    prompt_mod.load_video_audio = audio  # a video's own sound track (use_audio_in_video)
     prompt_mod.load_video = video
     return DataConfig(
         image_max_pixels=args.image_size**2,
@@ -159,8 +165,10 @@ def samples(
     work: Path, n: int, kinds: tuple[str, ...], image_size: int, question: str, long: bool = False
 ) -> tuple[list[Any], list[Path]]:
     """``n`` prompts cycling ``kinds`` (image, audio, video, text), one medium each, and the
-    images written for them (one per prompt). ``long``: a video and a recording in every prompt.
-    The audio and video files only need to exist: the loaders are :func:`synthetic_media`'s."""
+    images written for them (one per prompt). ``long``: every prompt one video WITH its own
+    sound track interleaved (``use_audio_in_video``: one ``<vision_start><audio_start>`` block
+    of frame chunks and audio in time order), as audio-visual QA prompts come. The video files
+    only need to exist: the loaders (frames and track) are :func:`synthetic_media`'s."""
     from omni_grpo.types import Sample
 
     images = write_images(work / "media", n, image_size)
@@ -177,9 +185,18 @@ def samples(
         media = [] if kind == "text" else [medium(kind, i)]
         text = f"{'' if kind == 'text' else f'<{kind}>'}Question {i}. {question}"
         if long:
-            kind, media = "video+audio", [medium("video", i), medium("audio", i)]
-            text = f"<video><audio>Question {i}. What is said while this happens?"
-        out.append(Sample(uid=f"p{i}", prompt=text, label="", media=media, modality=kind))
+            kind, media = "video", [medium("video", i)]
+            text = f"<video>Question {i}. What is said while this happens?"
+        out.append(
+            Sample(
+                uid=f"p{i}",
+                prompt=text,
+                label="",
+                media=media,
+                modality=kind,
+                use_audio_in_video=long,
+            )
+        )
     return out, images
 
 

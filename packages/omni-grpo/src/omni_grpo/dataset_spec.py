@@ -32,6 +32,7 @@ ROW_FIELDS: tuple[str, ...] = (
     "reward",
     "modality",
     "metadata",
+    "use_audio_in_video",
 )
 
 

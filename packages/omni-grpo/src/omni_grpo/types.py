@@ -31,6 +31,9 @@ class Sample:
     reward: str | None = None  # None: the config's rewards.by_modality / rewards.default choose
     modality: str = "text"  # image | video | audio | text | mixed (for per-modality eval metrics)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Every video of the prompt carries its own sound track, interleaved with its frames (the
+    # Omni processor's ``use_audio_in_video``); None: ``data.use_audio_in_video`` decides.
+    use_audio_in_video: bool | None = None
 
 
 @dataclass

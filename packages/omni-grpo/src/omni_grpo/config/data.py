@@ -64,6 +64,12 @@ class DataConfig(StrictModel):
     video_max_seconds: float = Field(
         600.0, gt=0, description="frames are sampled from the first this-many seconds"
     )
+    use_audio_in_video: bool = Field(
+        False,
+        description="for rows that do not set use_audio_in_video: every video's own sound track "
+        "(decoded with PyAV, truncated like audio) is interleaved with its frames in one block, "
+        "as the Omni processor's use_audio_in_video; a video without a sound track skips its row",
+    )
     shuffle: bool = True
     synthetic: SyntheticDataConfig | None = None
 

@@ -53,11 +53,13 @@ def whisper_kwargs(model_dir: str | os.PathLike[str] | None) -> dict[str, Any]:
 
 
 def audio_features(
-    wave: np.ndarray, whisper: dict[str, Any] | None = None
+    wave: np.ndarray | list[np.ndarray], whisper: dict[str, Any] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mono 16 kHz waveform -> ``input_features [1, 128, frames]``, ``feature_attention_mask [1, frames]``.
+    """Mono 16 kHz waveform(s) -> ``input_features [n, 128, frames]``,
+    ``feature_attention_mask [n, frames]`` (n = 1 for one wave).
 
-    Called as the Omni processor calls it: no padding to 30 s, no truncation, attention mask on.
+    Called as the Omni processor calls it: no padding to 30 s, no truncation, attention mask on;
+    a list is one call, padded to its longest wave, as the processor featurises a prompt's audios.
     """
     kw = whisper or WHISPER_DEFAULTS
     fe = _extractor(tuple(sorted(kw.items())))

@@ -53,7 +53,8 @@ class MediaError(Exception):
 
     Reasons: ``missing`` (no such file / no bytes), ``escape`` (outside the root), ``unreadable``
     (decoder failed), ``empty`` (no samples/frames), ``too_large`` (over ``max_source_pixels``),
-    ``too_short`` (audio shorter than one STFT window).
+    ``too_short`` (audio shorter than one STFT window), ``no_audio_track`` (a video whose row
+    sets ``use_audio_in_video`` has no sound track).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -211,16 +212,59 @@ def load_audio(
         raise
     except Exception as err:  # soundfile/PyAV raise many types for corrupt files
         raise MediaError("unreadable", f"cannot decode audio {what}: {_why(err)}") from None
+    return _checked_wave(wave, f"audio {what}", min_samples)
+
+
+def load_video_audio(
+    src: Source,
+    max_seconds: float | None = None,
+    name: str | None = None,
+    min_samples: int = 1,
+) -> np.ndarray:
+    """A video's own sound track (``use_audio_in_video``) as ``load_audio`` returns audio: mono
+    float32 16 kHz, truncated to ``max_seconds``.
+
+    Always decoded by PyAV (a video container is never a libsndfile file, whatever its first
+    bytes), and a video without an audio stream is its own ``no_audio_track`` error naming the
+    file: the row asked for a sound track that is not there, which is not a decoding failure.
+    """
+    import av
+
+    what = _label(src, name)
+    try:
+        with av.open(_open_arg(src)) as container:
+            has_audio = bool(container.streams.audio)
+    except Exception as err:
+        raise MediaError("unreadable", f"cannot open video {what}: {_why(err)}") from None
+    if not has_audio:
+        raise MediaError(
+            "no_audio_track",
+            f"video {what} has no sound track, but its row sets use_audio_in_video "
+            "(set it false for this row, or data.use_audio_in_video false)",
+        )
+    try:
+        wave = _av_audio(src, what, max_seconds)
+    except MediaError:
+        raise
+    except Exception as err:
+        raise MediaError(
+            "unreadable", f"cannot decode the sound track of {what}: {_why(err)}"
+        ) from None
+    return _checked_wave(wave, f"the sound track of video {what}", min_samples)
+
+
+def _checked_wave(wave: np.ndarray, what: str, min_samples: int) -> np.ndarray:
+    """``wave`` unless it is empty, shorter than ``min_samples`` or not finite (a ``MediaError``)."""
     if wave.size == 0:
-        raise MediaError("empty", f"audio {what} has no samples")
+        raise MediaError("empty", f"{what} has no samples")
     if wave.size < min_samples:
         raise MediaError(
             "too_short",
-            f"audio {what} has {wave.size} samples at {AUDIO_RATE} Hz, fewer than the "
+            f"{what} has {wave.size} samples at {AUDIO_RATE} Hz, fewer than the "
             f"{min_samples} the feature extractor needs",
         )
     if not np.isfinite(wave).all():
-        raise MediaError("unreadable", f"audio {what} contains NaN or infinite samples")
+        raise MediaError("unreadable", f"{what} contains NaN or infinite samples")
     return wave
 
 

@@ -3,8 +3,11 @@
 The chat template writes ONE pad token per media item (``<|image_pad|>``, ``<|video_pad|>``,
 ``<|audio_pad|>``); we then repeat each pad to the item's token count — image/video ``t*h*w/4``,
 audio the tower's output length — exactly what the Omni processor would produce, without needing
-its torchvision-based video processor. Token ids come from the checkpoint's config.json (an
-omni-extract ``vl`` dir with ``omni_sideband``, or a hub Omni dir with ``thinker_config``).
+its torchvision-based video processor. A video of an audio-in-video row (``use_audio_in_video``)
+brings its own sound track instead: its pad becomes ``<audio_start>`` + frame chunks and audio
+tokens in time order (omni-rope's interleave, the processor's) + ``<audio_end>``. Token ids come
+from the checkpoint's config.json (an omni-extract ``vl`` dir with ``omni_sideband``, or a hub
+Omni dir with ``thinker_config``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+from omni_rope import OmniRopeConfig, audio_in_video_segment_ids
 
 from omni_grpo.data.ablation import ABLATIONS, neutralise
 from omni_grpo.data.audio import audio_features, audio_tokens, whisper_kwargs
@@ -28,6 +33,7 @@ from omni_grpo.data.media import (
     load_audio,
     load_image,
     load_video,
+    load_video_audio,
     resolve_media,
 )
 from omni_grpo.data.schema import PLACEHOLDER
@@ -133,6 +139,7 @@ class PromptBuilder:
         self.whisper = whisper_kwargs(self.model_dir)
         self.system_prompt = system_prompt
         self.ablate = ablate  # media types replaced by a neutral input (omni_grpo.data.ablation)
+        self._rope_config: OmniRopeConfig | None = None  # read on the first audio-in-video
 
     def ablated(self, name: str) -> PromptBuilder:
         """The same builder with the media of ablation ``name`` (``ABLATIONS``) made neutral."""
@@ -193,67 +200,140 @@ class PromptBuilder:
                 raise MediaError("missing", "embedded media item has neither bytes nor a path")
         return resolve_media(root, item["path"])
 
+    def audio_in_video(self, sample: Sample) -> bool:
+        """Whether the sample's videos bring their sound tracks: the row's own
+        ``use_audio_in_video``, else ``data.use_audio_in_video`` (only where there is a video)."""
+        if not any(item["type"] == "video" for item in sample.media):
+            return False
+        flag = sample.use_audio_in_video
+        return bool(self.data.use_audio_in_video if flag is None else flag)
+
+    @property
+    def rope_config(self) -> OmniRopeConfig:
+        """omni-rope's view of the checkpoint: the audio-in-video interleave is computed by the
+        same code that positions it, so the layout and the position ids cannot disagree."""
+        if self._rope_config is None:
+            self._rope_config = OmniRopeConfig.from_pretrained_dir(self.model_dir)
+        return self._rope_config
+
     def _media(
         self, sample: Sample, root: Path, blobs: BlobFetcher | None = None
-    ) -> tuple[dict[str, list[Any]], list[int]]:
-        """Decode and process every media item; returns tensors per key and the per-item token counts.
+    ) -> tuple[dict[str, list[Any]], list[list[int]]]:
+        """Decode and process every media item; returns tensors per key and, per item, the token
+        ids its one pad token of the chat template becomes.
+
+        The prompt's audios (standalone ones and the videos' own tracks, in prompt order) go
+        through the feature extractor in ONE call, as the Omni processor sends them: a batch pads
+        every wave to the longest, which can give a shorter one a mel frame more (its length not
+        a multiple of the hop) and so a placeholder more; one call per audio would not match.
 
         Anything the decoders or processors raise on an item is that item's ``MediaError``: the
         input is foreign, and one bad item must cost one row, never the run.
         """
-        d, lim = self.data, self.limits
         out: dict[str, list[Any]] = {
             k: [] for k in ("img", "img_grid", "vid", "vid_grid", "spg", "feat", "mask")
         }
-        counts: list[int] = []
-        # the feature extractor's reflect padding needs more than half an STFT window
-        min_samples = int(self.whisper.get("n_fft", 400)) // 2 + 1
-        for item in sample.media:
+        bodies: list[list[int]] = []
+        waves: list[np.ndarray] = []
+        # per wave: its item's index and, for a video's track, the video's (grid, seconds/grid)
+        owners: list[tuple[int, tuple[torch.Tensor, float] | None]] = []
+        with_audio = self.audio_in_video(sample)
+        for k, item in enumerate(sample.media):
             src = self.source(item, root, blobs)
             name = None  # a file names itself (its resolved path)
             if item.get("blob") is not None:
                 name = f"{sample.uid}: embedded {item['type']} {item.get('path') or ''}".rstrip()
             try:
                 if item["type"] == "image":
-                    pv, grid = process_image(
-                        neutralise(
-                            "image", load_image(src, lim.max_source_pixels, name), self.ablate
-                        ),
-                        self.image_cfg,
-                        d.image_max_pixels,
-                        d.image_min_pixels,
-                    )
-                    out["img"].append(pv)
-                    out["img_grid"].append(grid)
-                    counts.append(tokens_for_grid(grid, self.image_cfg.merge_size))
-                elif item["type"] == "video":
-                    clip = neutralise(
-                        "video", load_video(src, d.video_fps, d.max_frames, name, lim), self.ablate
-                    )
-                    pv, grid = process_frames(
-                        clip.frames, self.video_cfg, max_pixels=d.video_max_pixels
-                    )
-                    out["vid"].append(pv)
-                    out["vid_grid"].append(grid)
-                    out["spg"].append(self.video_cfg.temporal_patch_size / clip.fps)
-                    counts.append(tokens_for_grid(grid, self.video_cfg.merge_size))
+                    bodies.append(self._image(src, name, out))
+                    continue
+                if item["type"] == "video":
+                    bodies.append(self._video(src, name, out))
+                    if not with_audio:
+                        continue
+                    owner = (out["vid_grid"][-1], out["spg"][-1])
+                    waves.append(self._wave(load_video_audio, src, name, self._track_seconds))
                 else:
-                    wave = neutralise(
-                        "audio",
-                        load_audio(src, lim.audio_max_seconds, name, min_samples),
-                        self.ablate,
-                    )
-                    feats, mask = audio_features(wave, self.whisper)
-                    out["feat"].append(feats[0])
-                    out["mask"].append(mask[0])
-                    counts.append(audio_tokens(mask, self.tokens.audio_n_window))
+                    bodies.append([])
+                    owner = None
+                    waves.append(self._wave(load_audio, src, name, self.limits.audio_max_seconds))
+                owners.append((k, owner))
             except MediaError:
                 raise
             except Exception as err:  # e.g. an image too small/elongated to resize
                 raise MediaError(
                     "unreadable", f"{name or src}: {type(err).__name__}: {err}"
                 ) from None
-        return out, counts
+        if waves:
+            try:
+                self._audio_bodies(waves, owners, bodies, out)
+            except Exception as err:  # the extractor or the interleave on foreign input
+                raise MediaError(
+                    "unreadable", f"sample {sample.uid!r}: audio: {type(err).__name__}: {err}"
+                ) from None
+        return out, bodies
+
+    def _image(self, src: Source, name: str | None, out: dict[str, list[Any]]) -> list[int]:
+        d = self.data
+        image = load_image(src, self.limits.max_source_pixels, name)
+        pv, grid = process_image(
+            neutralise("image", image, self.ablate),
+            self.image_cfg,
+            d.image_max_pixels,
+            d.image_min_pixels,
+        )
+        out["img"].append(pv)
+        out["img_grid"].append(grid)
+        return [self.tokens.image_token_id] * tokens_for_grid(grid, self.image_cfg.merge_size)
+
+    def _video(self, src: Source, name: str | None, out: dict[str, list[Any]]) -> list[int]:
+        """The frames' tensors; returns the pad's tokens when the video brings no sound."""
+        d, lim = self.data, self.limits
+        clip = neutralise(
+            "video", load_video(src, d.video_fps, d.max_frames, name, lim), self.ablate
+        )
+        pv, grid = process_frames(clip.frames, self.video_cfg, max_pixels=d.video_max_pixels)
+        out["vid"].append(pv)
+        out["vid_grid"].append(grid)
+        out["spg"].append(self.video_cfg.temporal_patch_size / clip.fps)
+        return [self.tokens.video_token_id] * tokens_for_grid(grid, self.video_cfg.merge_size)
+
+    @property
+    def _track_seconds(self) -> float:
+        """A video's track covers what its frames cover (the first ``video_max_seconds``), and no
+        more than any audio may (``audio_max_seconds``)."""
+        lim = self.limits
+        return min(lim.audio_max_seconds or lim.video_max_seconds, lim.video_max_seconds)
+
+    def _wave(
+        self, loader: Callable[..., Any], src: Source, name: str | None, seconds: float | None
+    ) -> np.ndarray:
+        # the feature extractor's reflect padding needs more than half an STFT window
+        min_samples = int(self.whisper.get("n_fft", 400)) // 2 + 1
+        return neutralise("audio", loader(src, seconds, name, min_samples), self.ablate)
+
+    def _audio_bodies(
+        self,
+        waves: list[np.ndarray],
+        owners: list[tuple[int, tuple[torch.Tensor, float] | None]],
+        bodies: list[list[int]],
+        out: dict[str, list[Any]],
+    ) -> None:
+        """Features of all the prompt's waves in one call; then each audio's placeholders, and
+        each video-with-sound's interleaved block (replacing its plain frame pads)."""
+        feats, masks = audio_features(waves, self.whisper)
+        for (k, video), feat, mask in zip(owners, feats, masks, strict=True):
+            out["feat"].append(feat)
+            out["mask"].append(mask)
+            if video is None:
+                n = audio_tokens(mask, self.tokens.audio_n_window)
+                bodies[k] = [self.tokens.audio_token_id] * n
+                continue
+            grid, spg = video
+            frames = int(mask.sum())
+            # <vision_start> <audio_start> [frames / audio in time order] <audio_end> <vision_end>
+            segment = audio_in_video_segment_ids(self.rope_config, grid, spg, frames)
+            bodies[k] = segment[1:-1].tolist()  # the template already wrote the vision markers
 
     @staticmethod
     def _pack(out: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
@@ -275,12 +355,12 @@ class PromptBuilder:
             )
         return mm
 
-    def expand(self, ids: list[int], sample: Sample, counts: list[int]) -> list[int]:
-        """Repeat the k-th pad token of each media type to the k-th item's token count."""
+    def expand(self, ids: list[int], sample: Sample, bodies: list[list[int]]) -> list[int]:
+        """Replace the k-th pad token of each media type by the k-th item's tokens (``_media``)."""
         pad_of = {getattr(self.tokens, f): t for t, f in PAD_ID_FIELDS.items()}
-        per_type: dict[str, list[int]] = {t: [] for t in PAD_ID_FIELDS}
-        for item, n in zip(sample.media, counts, strict=True):
-            per_type[item["type"]].append(n)
+        per_type: dict[str, list[list[int]]] = {t: [] for t in PAD_ID_FIELDS}
+        for item, body in zip(sample.media, bodies, strict=True):
+            per_type[item["type"]].append(body)
         found = {t: sum(1 for i in ids if pad_of.get(i) == t) for t in PAD_ID_FIELDS}
         wanted = {t: len(v) for t, v in per_type.items()}
         if found != wanted:
@@ -294,7 +374,7 @@ class PromptBuilder:
             if t is None:
                 out.append(i)
                 continue
-            out.extend([i] * per_type[t][cursor[t]])
+            out.extend(per_type[t][cursor[t]])
             cursor[t] += 1
         return out
 
@@ -307,6 +387,11 @@ class PromptBuilder:
         Raises ``MediaError`` (with a counter ``reason``) for a missing, escaping, oversized or
         unreadable item.
         """
-        out, counts = self._media(sample, Path(root), blobs)
-        ids = self.expand(self.template_ids(sample), sample, counts)
-        return PromptInputs(sample=sample, input_ids=ids, mm=self._pack(out))
+        out, bodies = self._media(sample, Path(root), blobs)
+        ids = self.expand(self.template_ids(sample), sample, bodies)
+        return PromptInputs(
+            sample=sample,
+            input_ids=ids,
+            mm=self._pack(out),
+            use_audio_in_video=self.audio_in_video(sample),
+        )

@@ -9,6 +9,9 @@ A row::
 ``prompt`` carries one ``<image>``/``<video>``/``<audio>`` placeholder per media item, in order;
 ``media`` paths are relative to the dataset root. ``uid`` is accepted as an alias of ``id``.
 ``modality`` defaults to the media's single type ("text" with none, "mixed" with several).
+``use_audio_in_video: true`` says every ``<video>`` brings its own sound track, interleaved with
+its frames in one block (the Omni processor's layout); a row that says so without a video is
+refused, and an absent value defers to ``data.use_audio_in_video``.
 ``label`` may not be empty, and with ``choices`` it must name one of them: an option letter
 (``A``.. for the number of choices, as the mcq reward reads it) or, for other rewards, the text
 of a choice. A label that can never score is refused at load, not trained on forever at 0.
@@ -62,6 +65,11 @@ class DatasetRow(BaseModel):
     )
     modality: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    use_audio_in_video: bool | None = Field(
+        None,
+        description="every <video> of the prompt brings its own sound track, interleaved with "
+        "its frames; None: data.use_audio_in_video decides",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -91,6 +99,11 @@ class DatasetRow(BaseModel):
                 "prompt placeholders {p} do not match media types {m} (one <type> per item, in order)",
                 {"p": str(in_prompt), "m": str(in_media)},
             )
+        if self.use_audio_in_video and "video" not in in_media:
+            raise PydanticCustomError(
+                "audio_in_video_without_video",
+                "use_audio_in_video is true but the prompt has no <video> to take the audio from",
+            )
         check_label(self.label, self.choices, self.reward)
         if self.modality is None:
             kinds = sorted(set(in_media))
@@ -116,6 +129,7 @@ class DatasetRow(BaseModel):
             reward=self.reward,
             modality=self.modality or "text",
             metadata=self.metadata,
+            use_audio_in_video=self.use_audio_in_video,
         )
 
 
@@ -157,7 +171,7 @@ def error_reason(err: ValidationError) -> str:
     return {"missing": "missing_field"}.get(kind, kind if kind in ROW_CHECKS else "invalid")
 
 
-ROW_CHECKS = frozenset({"bad_label", "placeholder_mismatch"})
+ROW_CHECKS = frozenset({"bad_label", "placeholder_mismatch", "audio_in_video_without_video"})
 
 
 def _format_errors(err: ValidationError) -> str:
@@ -224,6 +238,7 @@ def _write_parquet(path: Path, rows: Iterable[DatasetRow]) -> int:
             ("reward", pa.string()),
             ("modality", pa.string()),
             ("metadata", pa.string()),
+            ("use_audio_in_video", pa.bool_()),
         ]
     )
     n = 0

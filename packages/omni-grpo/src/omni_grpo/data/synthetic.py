@@ -24,6 +24,7 @@ import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,44 @@ def write_video(path: Path, answer: str, rng: np.random.Generator) -> dict[str, 
         for packet in stream.encode():
             container.mux(packet)
     return {"direction": answer}
+
+
+def write_video_with_sound(
+    path: Path,
+    frames: np.ndarray,
+    fps: float,
+    wave: np.ndarray,
+    rate: int = AUDIO_SAMPLE_RATE,
+    audio_codec: str = "aac",
+) -> Path:
+    """A video file whose sound track is ``wave`` (mono float in [-1, 1] at ``rate`` Hz), for
+    audio-in-video rows (``use_audio_in_video``) and their tests: ``frames [T, H, W, 3]`` uint8
+    at ``fps`` (H264), the track in ``audio_codec`` (``aac`` for mp4; ``pcm_s16le`` in mkv/mov
+    keeps the samples exact up to 16-bit rounding)."""
+    import av
+
+    frames = np.asarray(frames, dtype=np.uint8)
+    pcm = (np.clip(np.asarray(wave, np.float32), -1, 1) * 32767).round().astype(np.int16)
+    with av.open(str(path), mode="w") as container:
+        video = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+        video.height, video.width = frames.shape[1], frames.shape[2]
+        video.pix_fmt = "yuv420p"
+        video.options = {"crf": "18", "preset": "ultrafast"}
+        audio = container.add_stream(audio_codec, rate=rate, layout="mono")
+        for frame in frames:
+            for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        chunk = 1024  # aac's frame size; pcm takes any
+        for at in range(0, pcm.size, chunk):
+            part = pcm[None, at : at + chunk]
+            frame = av.AudioFrame.from_ndarray(part, format="s16", layout="mono")
+            frame.sample_rate, frame.pts = rate, at
+            for packet in audio.encode(frame):
+                container.mux(packet)
+        for stream in (video, audio):
+            for packet in stream.encode():
+                container.mux(packet)
+    return path
 
 
 WRITERS: dict[str, Callable[[Path, str, np.random.Generator], dict[str, Any]]] = {

@@ -41,6 +41,7 @@ def embedded_schema() -> Any:
             ("reward", pa.string()),
             ("modality", pa.string()),
             ("metadata", pa.string()),
+            ("use_audio_in_video", pa.bool_()),
             *((c, pa.list_(item)) for c in MEDIA_COLUMNS),
         ]
     )
@@ -70,6 +71,7 @@ def embedded_record(sample: Sample, root: Path) -> dict[str, Any]:
         "reward": sample.reward,
         "modality": sample.modality,
         "metadata": json.dumps(sample.metadata, ensure_ascii=False),
+        "use_audio_in_video": sample.use_audio_in_video,
         **{c: [] for c in MEDIA_COLUMNS},
     }
     for item in sample.media:
