@@ -86,6 +86,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work, args.prompts, kinds, args.image_size, question, args.long_prompts
     )
     prompts = [builder.build(s, "/") for s in samples]
+    if args.write_run:  # before the trainer wraps the module with its adapters
+        import cli_run
+
+        written = cli_run.write_run(
+            Path(args.write_run), thinker, vl_dir, skeleton, samples, images, args
+        )
+        print(f"omni-grpo train --config {written}", file=sys.stderr, flush=True)
     eos, pad = rig.stop_ids(vl_dir, tok)
     targets = args.targets.split(",")
     lora = LoraConfig(
@@ -435,6 +442,12 @@ def main() -> None:
         help="every prompt a 32-frame video and 60 s of audio (unless given otherwise)",
     )
     ap.add_argument("--generation-only", action="store_true", help="skip the update")
+    ap.add_argument(
+        "--write-run",
+        metavar="DIR",
+        help="also write the drawn model, the prompts' media and an omni-grpo train config "
+        "there (cli_run.py): the CLI's step against this one",
+    )
     ap.add_argument("--trl-steps", type=int, default=0, help="then TRL+peft: warm-up + this many")
     ap.add_argument("--trl-warmup", type=int, default=1, help="TRL steps run before the timed ones")
     ap.add_argument("--profile", help="write a profiler table of one more update here")

@@ -293,3 +293,29 @@ def test_values_that_still_mean_something_are_accepted(tmp_path: Path) -> None:
     )
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "warmup_steps (5) is longer than run.steps (3)" in res.output.splitlines()[-1]
+
+
+def test_extracted_parts_train_without_the_omni_checkpoint(tmp_path: Path) -> None:
+    """A user who ran ``omni-grpo extract`` (or a benchmark that writes the parts) needs only
+    them; one part missing still names the checkpoint it would be extracted from."""
+    from omni_grpo.trainer import prepare_model
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    vl, audio = tmp_path / "vl", tmp_path / "audio"
+    overrides = [
+        f"run.dir={tmp_path / 'run'}",
+        f"data.train={rows}",
+        f"model.extracted_dir={vl}",
+        f"model.audio_dir={audio}",
+    ]
+    vl.mkdir()
+    (vl / "config.json").write_text("{}")
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=r"model.omni_checkpoint \(unset\): .* does not exist"):
+        check_paths(cfg)  # the audio part is missing: it would come from the checkpoint
+    audio.mkdir()
+    (audio / "config.json").write_text("{}")
+    check_paths(cfg)
+    assert prepare_model(cfg.model, tmp_path / "run") == (vl, audio)
+    assert not (tmp_path / "run" / "model").exists()  # nothing extracted, nothing made

@@ -502,6 +502,8 @@ def prepare_model(model: ModelConfig, run_dir: Path) -> tuple[Path, Path]:
     preparation is simply redone.
     """
     omni = Path(model.omni_checkpoint) if model.omni_checkpoint else run_dir / "model" / "omni"
+    if model.extracted() and not (omni / "config.json").is_file():
+        return Path(model.extracted_dir), Path(model.audio_dir)  # the parts are all it needs
     if not (omni / "config.json").is_file():
         if model.make_tiny is None:
             raise FileNotFoundError(

@@ -37,3 +37,11 @@ class ModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16", "auto"] = "auto"
     freeze_visual: bool = True
     freeze_lm_head: bool = False
+
+    def extracted(self) -> bool:
+        """Both parts the trainer loads are already extracted (``omni-grpo extract``): the
+        Omni checkpoint itself is then not needed to train (``export`` still names a base)."""
+        return all(
+            d is not None and (d / "config.json").is_file()
+            for d in (self.extracted_dir, self.audio_dir)
+        )

@@ -43,7 +43,7 @@ def _missing_dataset(key: str, spec: Path | list[Path] | None) -> list[str]:
 def check_paths(cfg: OmniGRPOConfig) -> None:
     """Refuse, before anything runs, inputs that do not exist: ``data.train``/``eval``/``root``
     (unless ``data.synthetic`` makes them) and the Omni checkpoint (unless ``model.make_tiny``
-    creates it). All problems in one ``ConfigError`` line, each naming its dotted key."""
+    creates it or its parts are already extracted). All problems in one ``ConfigError`` line, each naming its dotted key."""
     problems: list[str] = []
     data, model = cfg.data, cfg.model
     if data.synthetic is None:
@@ -57,7 +57,7 @@ def check_paths(cfg: OmniGRPOConfig) -> None:
         if data.root is not None and not data.root.is_dir():
             problems.append(f"data.root: {data.root} is not a directory")
     omni = model.omni_checkpoint or cfg.run.dir / "model" / "omni"
-    if model.make_tiny is None and not (omni / "config.json").is_file():
+    if model.make_tiny is None and not (omni / "config.json").is_file() and not model.extracted():
         key = "model.omni_checkpoint" if model.omni_checkpoint else "model.omni_checkpoint (unset)"
         where = "does not exist" if not omni.exists() else "has no config.json"
         problems.append(
