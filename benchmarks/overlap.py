@@ -6,7 +6,7 @@ train step), ``sglang_trainer_actor`` (the trainer as a Ray actor), ``sglang_tra
 calibrated). The case and the runs: docs/benchmarks.md, "Overlapped rollouts".
 
     uv run python benchmarks/overlap.py [--steps 24] [--pairs sglang,sglang_trainer_actor,ray]
-        [--no-ray] [--work DIR] [--set trainer.device=cuda ...]
+        [--work DIR] [--set trainer.device=cuda ...]
 """
 
 from __future__ import annotations
@@ -183,13 +183,13 @@ def sglang_actor_pair(
     return out
 
 
-def ray_pair(
-    work: Path, steps: int, trainers: int, actors: int, extra: list[str]
-) -> dict[str, Any]:
+def ray_pair(work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
     """The embedded rollout actors, their answer budget CHOSEN so that the on-policy rollout
     takes one train step (on the recipe's <= 3 tokens it is about half of it: overlap could win
     ~1.45x at most). Two short on-policy runs at two budgets give the rollout's fixed cost and
-    its cost per token (the random policy's answers run to the budget)."""
+    its cost per token (the random policy's answers run to the budget). One trainer rank, one
+    rollout actor."""
+    trainers = actors = 1
 
     def on(name: str, staleness: int, n: int, tokens: int) -> dict[str, Any]:
         sets = [f"rollout.max_staleness={staleness}", f"trainer.world_size={trainers}"]
@@ -235,7 +235,6 @@ def ratios(pair: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = harness.parser(__doc__, steps=24, pairs="sglang,sglang_trainer_actor,ray", work=Path)
-    harness.add_options(ap, no_ray=False, ray_trainers=1, ray_actors=1)  # --no-ray: sglang only
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="for every run")
     args = ap.parse_args()
     extra = args.overrides  # e.g. trainer.device=cuda or trainer.backend=megatron
@@ -243,7 +242,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="overlap-bench-"))
     t0, load_before = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
     result: dict[str, Any] = {"benchmark": "overlap", "steps": args.steps, "overrides": extra}
-    pairs = {"sglang"} if args.no_ray else set(args.pairs.split(","))
+    pairs = set(args.pairs.split(","))
     sglang = sglang_pair(work, args.steps, extra, measure="sglang" in pairs)
     result["sglang"] = ratios(sglang) if "sglang" in pairs else sglang
     for name, pin in (("sglang_trainer_actor", False), ("sglang_trainer_pinned", True)):
@@ -251,9 +250,7 @@ def main() -> None:
             pair = sglang_actor_pair(work, args.steps, sglang["token_delay_s"], extra, pin)
             result[name] = ratios(pair)
     if "ray" in pairs:
-        result["ray"] = ratios(
-            ray_pair(work, args.steps, args.ray_trainers, args.ray_actors, extra)
-        )
+        result["ray"] = ratios(ray_pair(work, args.steps, extra))
     for pair in ("sglang", "sglang_trainer_actor", "sglang_trainer_pinned", "ray"):
         prefix = "" if pair == "sglang" else pair + "_"
         for key in ("ratio", "steady_ratio"):

@@ -112,18 +112,20 @@ def thinker_at(
     return wrap_vl(vl, vl_dir, audio_dir=skeleton / "audio", freeze_visual=True)
 
 
+def colour_field(size: int, i: int, n: int) -> np.ndarray:
+    """Frame ``i`` of ``n``: a smooth uint8 RGB colour field (not constant: the towers see pixels)."""
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    return (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8)
+
+
 def write_images(root: Path, n: int, size: int) -> list[Path]:
-    """``n`` smooth colour-field PNGs (not constant: the vision tower sees real pixels)."""
+    """``n`` :func:`colour_field` PNGs."""
     from PIL import Image
 
     root.mkdir(parents=True, exist_ok=True)
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    paths = []
     for i in range(n):
-        rgb = np.stack([xx, yy, (xx + yy + i / n) % 1], -1)
-        paths.append(root / f"image{i}.png")
-        Image.fromarray((rgb * 255).astype(np.uint8)).save(paths[-1])
-    return paths
+        Image.fromarray(colour_field(size, i, n)).save(root / f"image{i}.png")
+    return [root / f"image{i}.png" for i in range(n)]
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
@@ -138,15 +140,10 @@ def synthetic_media(args: argparse.Namespace) -> Any:
         return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
 
     def video(src: Any, fps: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
-        n, size = args.video_frames, args.video_size
-        yy, xx = np.mgrid[0:size, 0:size] / size
-        frames = [
-            (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8) for i in range(n)
-        ]
-        return VideoClip(frames=np.stack(frames), fps=2.0)
+        n = args.video_frames
+        return VideoClip(np.stack([colour_field(args.video_size, i, n) for i in range(n)]), 2.0)
 
-    prompt_mod.load_audio = audio
-    prompt_mod.load_video = video
+    prompt_mod.load_audio, prompt_mod.load_video = audio, video
     return DataConfig(
         image_max_pixels=args.image_size**2,
         audio_max_seconds=args.audio_seconds,

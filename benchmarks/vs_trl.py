@@ -20,7 +20,6 @@ import os
 import pickle
 import shutil
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,23 +62,16 @@ def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> P
 
 
 def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One image (PNG) or video (frames as .npy) per prompt; smooth colour fields, not zeros."""
+    """One image per prompt (``thinker_rig.write_images``), or those frames rolled sideways as a
+    video (.npy: decoded frames)."""
     from PIL import Image
 
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    size = args.image_size if args.media == "image" else args.video_size
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    for i in range(args.prompts):
-        rgb = np.stack([xx, yy, (xx + yy + i / args.prompts) % 1], -1)
-        path = root / f"{args.media}{i}.{'png' if args.media == 'image' else 'npy'}"
-        if args.media == "image":
-            Image.fromarray((rgb * 255).astype(np.uint8)).save(path)
-        else:
-            frames = np.stack([np.roll(rgb, t * 4, axis=1) for t in range(args.frames)])
-            np.save(path, (frames * 255).astype(np.uint8))
-        rows.append({"id": f"p{i}", "path": str(path), "text": f"Question {i}. {QUESTION}"})
-    return rows
+    paths = rig.write_images(root, args.prompts, getattr(args, f"{args.media}_size"))
+    for i, image in enumerate(paths if args.media == "video" else []):
+        frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
+        np.save(paths[i], np.stack([np.roll(frame, t * 4, axis=1) for t in range(args.frames)]))
+    text = [f"Question {i}. {QUESTION}" for i in range(args.prompts)]
+    return [{"id": f"p{i}", "path": str(p), "text": text[i]} for i, p in enumerate(paths)]
 
 
 # ------------------------------------------------------------------------------------- ours
@@ -272,9 +264,7 @@ def main() -> None:
     ap = harness.parser(__doc__, work="/tmp/vs_trl", skeleton=str, device="cuda", layers=4)
     harness.add_options(ap, image_size=448, video_size=224, frames=8, fps=2.0, prompts=4, group=8)
     harness.add_options(ap, max_new_tokens=256, lr=1e-6, steps=4, warmup=1, seed=0)
-    ap.add_argument("--widths", choices=["real", "tiny"], default="real")
-    ap.add_argument("--media", choices=["image", "video"], default="image")
-    ap.add_argument("--sides", default="ours,trl", help="comma list of ours, trl")
+    harness.add_options(ap, widths=("real", "tiny"), media=("image", "video"), sides="ours,trl")
     ap.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(4)
@@ -296,26 +286,19 @@ def main() -> None:
             shutil.copytree(skeleton / "audio", audio)
         (work / f"rows-{args.media}.json").write_text(json.dumps(write_media(work / "media", args)))
     # each side in its own process: its peak memory is its own
-    argv = [sys.executable, __file__, *sys.argv[1:], "--side"]
-    sides = {s: harness.child_json([*argv, s], check=False) for s in args.sides.split(",") if s}
+    sides = {s: harness.rerun("--side", s, check=False) for s in args.sides.split(",") if s}
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "config": {
-            "layers": args.layers,
-            "widths": args.widths,
-            "media": args.media,
-            "image_size": args.image_size,
-            "frames": args.frames if args.media == "video" else None,
-            "prompts_per_step": args.prompts,
-            "group_size": args.group,
-            "samples_per_step": args.prompts * args.group,
-            "max_new_tokens": args.max_new_tokens,
+        "config": {k: vars(args)[k] for k in ("layers", "widths", "media", "image_size")}
+        | {"frames": args.frames if args.media == "video" else None}
+        | {"prompts_per_step": args.prompts, "group_size": args.group}
+        | {"samples_per_step": args.prompts * args.group, "max_new_tokens": args.max_new_tokens}
+        | {
             "lr": args.lr,
             "loss": "token-mean over the step (ours loss_agg=token, TRL loss_type=dapo)",
-            "steps_timed": args.steps,
-            "warmup_steps": args.warmup,
-            "dtype": "bf16" if args.device == "cuda" else "fp32",
-        },
+        }
+        | {"steps_timed": args.steps, "warmup_steps": args.warmup}
+        | {"dtype": "bf16" if args.device == "cuda" else "fp32"},
         "prepare_s": prep.s,
         **sides,
     }
