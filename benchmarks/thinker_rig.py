@@ -189,9 +189,11 @@ def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
     return eos, int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
 
 
-def engine(thinker: Any, eos: list[int], device: torch.device, tok: Any = None, **kw: Any) -> Any:
-    """The embedded engine with no stop token, the end-of-turn and media ids banned; bf16
-    autocast on CUDA; ``tok`` decodes the completions' text."""
+def engine(
+    thinker: Any, eos: list, device: torch.device, tok: Any = None, stop: bool = False, **kw: Any
+) -> Any:
+    """The embedded engine with the media ids banned and the end-of-turn ids too (``stop``: they
+    end a sample instead); bf16 autocast on CUDA; ``tok`` decodes the completions' text."""
     from omni_grpo.models.sideband import media_token_ids
     from omni_grpo.rollout.embedded import EmbeddedEngine
 
@@ -199,10 +201,10 @@ def engine(thinker: Any, eos: list[int], device: torch.device, tok: Any = None, 
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
     return EmbeddedEngine(
         thinker,
-        [],
+        eos if stop else [],
         device=device,
         autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        banned_token_ids=media_token_ids(thinker) + eos,
+        banned_token_ids=media_token_ids(thinker) + ([] if stop else eos),
         **kw,
     )
 

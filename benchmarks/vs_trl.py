@@ -83,8 +83,6 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     from omni_grpo.data.media import VideoClip
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.models import load_thinker
-    from omni_grpo.rollout.embedded import EmbeddedEngine
-    from omni_grpo.trainer import media_token_ids
     from omni_grpo.types import GRPOBatch, Sample
 
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
@@ -102,14 +100,8 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     cfg = TrainerConfig(device=dev, lr=args.lr, micro_batch_size=args.group, max_grad_norm=1.0)
     algo = AlgoConfig(loss_agg="token", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)
     backend = TorchBackend(model, cfg, algo, pad_token_id=int(tok.pad_token_id))
-    engine = EmbeddedEngine(
-        model,
-        [int(tok.convert_tokens_to_ids("<|im_end|>"))],
-        device=torch.device(dev),
-        autocast_dtype=torch.bfloat16 if cuda else None,
-        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        banned_token_ids=media_token_ids(model),
-    )
+    im_end = [int(tok.convert_tokens_to_ids("<|im_end|>"))]
+    engine = rig.engine(model, im_end, torch.device(dev), tok, stop=True)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     torch.manual_seed(args.seed)
     ends, tokens, diffs, gen_s = [harness.now(dev)], [], [], []
@@ -200,11 +192,10 @@ def run_trl(
         return [reward_text(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
 
     class StepEnds(tf.TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            ends.append(harness.now(device))
-
         def on_step_end(self, *a: Any, **k: Any) -> None:
             ends.append(harness.now(device))
+
+        on_train_begin = on_step_end
 
     config = GRPOConfig(
         output_dir=str(Path(args.work) / "trl_out"),
