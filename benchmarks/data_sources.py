@@ -1,9 +1,7 @@
 """Rows through the parquet path vs jsonl + media files, and RSS while streaming a big parquet.
 
-Throughput: every synthetic perception row through ``OmniDataset.load`` from both sources, file
-order and shuffled, best of ``--repeats``, and the one step where they differ (an item's bytes)
-alone. Memory: a parquet of more than ``--stream-gb`` GB streamed in a child, against its first
-tenth, the same rows as jsonl + files and as a ``save_to_disk`` Arrow file (docs/benchmarks.md).
+Every synthetic perception row through ``OmniDataset.load`` from both sources, and a parquet of
+more than ``--stream-gb`` GB streamed in a child against other layouts: docs/benchmarks.md.
 
     uv run python benchmarks/data_sources.py [--rows-per-task 40] [--stream-gb 2.2] [--tmp DIR]
 """

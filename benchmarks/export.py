@@ -1,10 +1,7 @@
 """Benchmark: ``omni-grpo export`` (omni format) vs a plain copy of the same bytes, same run, same disk.
 
-A torch-backend checkpoint of the whole language model next to a generated base at the released
-widths (``checkpoints``); alternating ``--repeats`` times: ``copy`` (in a child),
-``copy_in_process``, ``copy_same_ranges`` (exactly the byte ranges export moves: the ratio to it
-is export's own overhead) and ``export``. Targets: >= 0.7 of a copy's throughput, peak RSS <= 1.5
-largest output shards (docs/benchmarks.md, "Methods").
+The sides (``copy``, ``copy_in_process``, ``copy_same_ranges``: export's own overhead) and the
+checkpoints (``checkpoints``): docs/benchmarks.md, "Methods"; the result: docs/export.md.
 
     uv run python benchmarks/export.py [--workdir /tmp/omni-export-bench] [--layers 2]
 """

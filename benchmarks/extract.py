@@ -1,9 +1,7 @@
 """Benchmark: streaming ``vl`` extraction vs a plain file copy vs a naive transformers round trip.
 
-A multi-GB hub-layout checkpoint at the released widths (``checkpoints``); alternating
-``--repeats`` times: ``copy`` (in a child), ``copy_in_process`` and ``vl`` extraction (in a child,
-peak RSS its VmHWM); then once ``naive`` (transformers' ``from_pretrained`` + ``save_pretrained``).
-Targets: >= 0.7 of a copy's throughput, peak RSS <= 1.2 (largest input + output shard).
+Alternating ``copy``, ``copy_in_process`` and ``vl`` extraction of a multi-GB hub checkpoint
+(``checkpoints``), then once ``naive``: docs/benchmarks.md, "Methods".
 
     uv run python benchmarks/extract.py [--workdir /tmp/omni-extract-bench] [--layers 2]
 """

@@ -1,9 +1,6 @@
 """Throughput of rollouts overlapped with training (``rollout.max_staleness: 1``) as a ratio to the
-on-policy loop (``0``), pair by pair, on ``examples/tiny.yaml`` in this process: ``sglang`` (the
-fake server in its own process, its token delay calibrated so the on-policy rollout takes one
-train step), ``sglang_trainer_actor`` (the trainer as a Ray actor), ``sglang_trainer_pinned``
-(that actor alone on core 0; not by default) and ``ray`` (rollout actors, the answer budget
-calibrated). The case and the runs: docs/benchmarks.md, "Overlapped rollouts".
+on-policy loop (``0``) on ``examples/tiny.yaml``, per pair: ``sglang``, ``sglang_trainer_actor``,
+``sglang_trainer_pinned`` (not by default) and ``ray``: docs/benchmarks.md, "Overlapped rollouts".
 
     uv run python benchmarks/overlap.py [--steps 24] [--pairs sglang,sglang_trainer_actor,ray]
         [--work DIR] [--set trainer.device=cuda ...]
@@ -13,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -137,17 +133,17 @@ def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
     """Core 0 for the trainer actor, the other cores for everything else (this driver, the fake,
     Ray's processes inherit this affinity): what separate hardware gives a real run; unpinned, on
     2 cores, the ratio is bimodal with where the scheduler puts the trainer. Linux only."""
+    from omni_grpo.testing.interrupts import actor_pid
+
     everything = os.sched_getaffinity(0)
     os.sched_setaffinity(0, everything - {0})
     done = threading.Event()
-    log = run_dir / "logs" / "trainer-0.log"
 
     def pin() -> None:
         while not done.is_set():
-            found = log.is_file() and re.search(r"trainer rank 0 pid (\d+)", log.read_text())
-            if found:
-                os.sched_setaffinity(int(found.group(1)), {0})
-                return
+            with contextlib.suppress(OSError, IndexError):  # no log, or no pid in it yet
+                pid = actor_pid(run_dir, "trainer-0.log", "trainer rank 0")
+                return os.sched_setaffinity(pid, {0})
             time.sleep(0.05)
 
     watcher = threading.Thread(target=pin, daemon=True)

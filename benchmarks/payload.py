@@ -1,9 +1,7 @@
 """Wire cost of /generate payloads: encode-once bf16 (omni_rollout_client) vs the original design.
 
-Per case (an image, 32- and 64-frame videos, 30 s of audio; tensor shapes as the processor makes
-them) and one GRPO group of requests: bytes per request, client CPU seconds per group and the
-server's decode seconds per request under sglang-omni 0.1.9's rules, for the original design (fp32,
-base64 and ``json.dumps`` per request), ours (bf16, encoded once) and ``ours_fp32``.
+Per case and GRPO group: bytes per request, client CPU per group, the server's decode per request
+for the original design, ours (bf16, encoded once) and ``ours_fp32``: docs/benchmarks.md.
 
     uv run python benchmarks/payload.py [--group 8] [--cases image,video32,video64,audio30s]
 """

@@ -1,9 +1,7 @@
 """Distributed weight sync overhead: ``DistributedWeightSync.push`` vs a raw broadcast of the same bytes.
 
-One receiver process (the server side of the protocol), a synthetic pseudo-VL text model of
-``--mb`` MiB, the same buckets: ``push`` through the fake server (HTTP, name map, transposes)
-against broadcasting the tensors already in server layout. NCCL between two GPUs when there are
-two, else gloo. ``ratio`` = ours / baseline bandwidth (issue 8 target: >= 0.8), best of each.
+A synthetic pseudo-VL text model of ``--mb`` MiB into one receiver process: docs/benchmarks.md,
+"Methods". ``ratio`` = ours / baseline bandwidth (issue 8 target: >= 0.8), best of each.
 
     uv run python benchmarks/weight_sync.py [--mb 256] [--bucket-mb 64] [--repeats 3]
 """
