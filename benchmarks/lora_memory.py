@@ -161,11 +161,10 @@ def main() -> None:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    if args.skeleton:
-        if not (work / "skeleton").exists():
-            shutil.copytree(args.skeleton, work / "skeleton")
-    else:
+    if not args.skeleton:
         released.make_skeleton(work / "skeleton")
+    elif not (work / "skeleton").exists():
+        shutil.copytree(args.skeleton, work / "skeleton")
     t0 = time.perf_counter()
     depths = [int(x) for x in args.layers.split(",") if x]
     runs = [child(d) for d in depths]
