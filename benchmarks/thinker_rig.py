@@ -1,11 +1,7 @@
 """The released thinker drawn in device memory, its prompts and its engine: the one-GPU rig.
 
-``lora_memory``, ``one_gpu_thinker`` and ``exact_logprobs`` measure the real trainer and engine on
-the released architecture. No checkpoint is reachable offline, and the 48-layer model is ~63 GB,
-so the weights are drawn at random directly on the device (nothing is written to disk) beside a
-weightless ``vl`` directory (the skeleton's tokenizer, processor and sideband at the real widths,
-``released.py``) and wrapped as the trainer wraps a loaded checkpoint. Media are synthetic:
-decoding them is not what is measured.
+Random weights at the released widths (``released.py``) drawn directly on the device beside a
+weightless ``vl`` directory, wrapped as the trainer wraps a loaded checkpoint; synthetic media.
 """
 
 from __future__ import annotations
