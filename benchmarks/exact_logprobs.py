@@ -68,20 +68,16 @@ def run_one(
         adv = rig.advantages(groups, args.group)
         with harness.timed(device) as upd:
             metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
-        row: dict[str, Any] = {
-            "generation_s": round(gen.s, 3),
-            "update_s": round(upd.s, 3),
-            "step_s": round(gen.s + upd.s, 3),
-            "new_tokens": sum(len(c.token_ids) for g in groups for c in g),
-            "exact_fraction": metrics.get("train_rollout_logprob_exact_fraction"),
-            "abs_diff": metrics.get("train_rollout_logprob_abs_diff"),
-            "pearson": metrics.get("train_rollout_logprob_pearson"),
-            "skipped_step": metrics.get("skipped_step"),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2),
-            # the update's phases (TorchBackend's clock): KL reference forward, policy passes
-            "reference_s": round(float(metrics.get("time_reference_s", 0.0)), 3),
-            "policy_s": round(float(metrics.get("time_policy_s", 0.0)), 3),
-        }
+        row: dict[str, Any] = {"generation_s": round(gen.s, 3), "update_s": round(upd.s, 3)}
+        row["step_s"] = round(gen.s + upd.s, 3)
+        row["new_tokens"] = sum(len(c.token_ids) for g in groups for c in g)
+        for k in ("exact_fraction", "abs_diff", "pearson"):
+            row[k] = metrics.get(f"train_rollout_logprob_{k}")
+        row["skipped_step"] = metrics.get("skipped_step")
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        # the update's phases (TorchBackend's clock): KL reference forward, policy passes
+        for k in ("reference", "policy"):
+            row[f"{k}_s"] = round(float(metrics.get(f"time_{k}_s", 0.0)), 3)
         if exact:
             totals = backend.exact_watch.totals
             row["by_modality"] = {m: {"differ": b, "tokens": n} for m, (b, n) in totals.items()}

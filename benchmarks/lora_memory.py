@@ -88,16 +88,9 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         with harness.timed(device) as upd:
             metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
         upd_peak = {k: max(v, upd_peak.get(k, 0.0)) for k, v in _mem(device).items()}
-        steps.append(
-            {
-                "generation_s": round(gen.s, 2),
-                "update_s": round(upd.s, 2),
-                "new_tokens": sum(len(c.token_ids) for gr in groups for c in gr),
-                "skipped_step": metrics["skipped_step"],
-                "loss": metrics["loss"],
-                "kl_loss": metrics.get("kl_loss"),
-            }
-        )
+        row = {"generation_s": round(gen.s, 2), "update_s": round(upd.s, 2)}
+        row["new_tokens"] = sum(len(c.token_ids) for gr in groups for c in gr)
+        steps.append(row | {k: metrics.get(k) for k in ("skipped_step", "loss", "kl_loss")})
     out: dict[str, Any] = {
         "layers": layers,
         "model_params": model_params,
