@@ -21,6 +21,7 @@ TEXT = {
     "intermediate_size": 768,
     "num_experts": 128,
     "num_experts_per_tok": 8,
+    "max_position_embeddings": 65536,  # the released context (the tiny factory's is 4096)
 }
 # interleaved M-RoPE over head dim 128: 24 temporal, 20 height, 20 width frequency pairs
 ROPE = {"rope_theta": 1e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}

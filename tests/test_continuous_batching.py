@@ -180,11 +180,16 @@ def test_a_slot_that_cannot_fit_is_refused_before_allocation(monkeypatch):
         logits=torch.zeros(2, 16),
     )
     monkeypatch.setattr(cont, "free_device_bytes", lambda device: 256 << 20)
+    monkeypatch.setattr(cont, "device_total_and_allocated", lambda device: (140 << 30, 60 << 30))
     with pytest.raises(KVCacheTooLarge, match=r"3000 prompt \+ 4096 new tokens needs 0\.65 GiB"):
         plan_slots(pre, 256, 4096, torch.device("cuda"), cap=512)
     monkeypatch.setattr(cont, "free_device_bytes", lambda device: 40 << 30)
     assert plan_slots(pre, 256, 4096, torch.device("cuda"), cap=512) == 52
     assert plan_slots(pre, 16, 4096, torch.device("cuda"), cap=512) == 16
+    # the ceiling: 0.5 of 140 GiB with 60 allocated leaves 10 GiB, not 0.85 of the 40 free
+    assert plan_slots(pre, 256, 4096, torch.device("cuda"), 512, memory_utilization=0.5) == 15
+    with pytest.raises(KVCacheTooLarge, match=r"memory_utilization 0\.4"):
+        plan_slots(pre, 256, 4096, torch.device("cuda"), 512, memory_utilization=0.4)
 
 
 @pytest.mark.parametrize("batching", ["static", "continuous"])

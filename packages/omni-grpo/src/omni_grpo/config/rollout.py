@@ -72,6 +72,14 @@ class EmbeddedRolloutConfig(StrictModel):
         "slots refilled as rows end and re-packed as they thin (models.continuous); auto: "
         "continuous on CUDA, static on the CPU",
     )
+    memory_utilization: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="continuous batching: the share of the device's memory a rollout may fill, "
+        "model and optimizer included (as vLLM's gpu_memory_utilization); the decode slots' KV "
+        "takes what the rest leaves, and more rows than slots wait for a free one",
+    )
 
 
 class RolloutConfig(StrictModel):

@@ -123,11 +123,26 @@ def slot_bytes(prefilled: Prefilled, max_new_tokens: int) -> int:
     return sum(2 * k.shape[1] * total * k.shape[3] * k.element_size() for k in prefilled.keys)
 
 
+def device_total_and_allocated(device: torch.device) -> tuple[int, int]:
+    """The device's memory and what live tensors take of it (model, optimizer, prefill)."""
+    return torch.cuda.get_device_properties(device).total_memory, torch.cuda.memory_allocated(
+        device
+    )
+
+
 def plan_slots(
-    prefilled: Prefilled, rows: int, max_new_tokens: int, device: torch.device, cap: int
+    prefilled: Prefilled,
+    rows: int,
+    max_new_tokens: int,
+    device: torch.device,
+    cap: int,
+    memory_utilization: float = 0.85,
 ) -> int:
-    """How many slots: every row if they fit (and ``cap`` allows), else what the free memory
-    holds. Refuses, before allocating, a call whose single slot cannot fit."""
+    """How many slots: every row if they fit (and ``cap`` allows), else what the memory holds:
+    ``KV_SHARE`` of the free memory, and no more than brings the allocation to
+    ``memory_utilization`` of the device (``rollout.embedded.memory_utilization``: a peak the
+    user sets, not one that depends on what the caching allocator happens to hold). Refuses,
+    before allocating, a call whose single slot cannot fit."""
     want = max(1, min(rows, cap))
     if device.type != "cuda":
         return want
@@ -135,12 +150,16 @@ def plan_slots(
     vocab = prefilled.logits.shape[-1]
     per_row_temps = 8 * 4 * vocab  # logits, probs, noise and their int64 hashes, fp32 / int64
     free = free_device_bytes(device)
-    fit = int(KV_SHARE * free) // (per + per_row_temps)
+    total, allocated = device_total_and_allocated(device)
+    budget = min(KV_SHARE * free, memory_utilization * total - allocated)
+    fit = int(max(0.0, budget)) // (per + per_row_temps)
     if fit < 1:
         raise KVCacheTooLarge(
             f"one decode slot of {prefilled.width} prompt + {max_new_tokens} new tokens needs "
-            f"{per / 2**30:.2f} GiB of KV cache but {free / 2**30:.2f} GiB are free: lower "
-            "rollout.sampling.max_new_tokens or the prompts' media lengths"
+            f"{per / 2**30:.2f} GiB of KV cache but {max(0.0, budget) / 2**30:.2f} GiB are left "
+            f"({free / 2**30:.2f} GiB free, rollout.embedded.memory_utilization "
+            f"{memory_utilization}): lower rollout.sampling.max_new_tokens or the prompts' "
+            "media lengths"
         )
     return min(want, fit)
 
@@ -367,6 +386,7 @@ def decode_continuous(
     max_slots: int,
     generator: torch.Generator | None = None,
     plan: RowPlan | None = None,
+    memory_utilization: float = 0.85,
 ) -> GenerationResult:
     """Decode ``repeats`` samples of every prefilled prompt through refilled slots (or the rows
     of ``plan``: partial rollouts, see :class:`RowPlan`)."""
@@ -379,7 +399,7 @@ def decode_continuous(
         row_prompt = torch.tensor(plan.prefill_row, dtype=torch.long, device=device)
         seed = 0
     rows = row_prompt.shape[0]
-    slots = plan_slots(prefilled, rows, max_new_tokens, device, max_slots)
+    slots = plan_slots(prefilled, rows, max_new_tokens, device, max_slots, memory_utilization)
     decoder = ContinuousDecoder(
         thinker, prefilled, row_prompt, limits, max_new_tokens, slots, sample, seed, stop, plan
     )

@@ -212,6 +212,7 @@ def generate(
     batching: str = "static",
     max_slots: int = 512,
     plan: RowPlan | None = None,
+    memory_utilization: float = 0.85,
     **media: Any,
 ) -> GenerationResult:
     """Sample up to ``max_new_tokens`` per row; ``media`` are the Omni forward's media kwargs.
@@ -234,7 +235,8 @@ def generate(
     ``batching``: ``static`` decodes the batch until its last row ends (``StaticDecoder``);
     ``continuous`` decodes through at most ``max_slots`` slots refilled as rows end and
     re-packed as they thin (``models.continuous``; its draws are keyed on each row, so a row's
-    tokens do not depend on which rows share its batch).
+    tokens do not depend on which rows share its batch), as many as fit under
+    ``memory_utilization`` of the device's memory.
     """
     if batching not in ("static", "continuous"):
         raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
@@ -292,6 +294,7 @@ def generate(
                     max_slots=max_slots,
                     generator=generator,
                     plan=plan,
+                    memory_utilization=memory_utilization,
                 )
         return _decode_static(
             thinker,

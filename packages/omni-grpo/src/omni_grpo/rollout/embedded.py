@@ -63,12 +63,14 @@ class EmbeddedEngine:
         max_batch_rows: int = 512,
         batching: str = "static",
         length_plan: Any = None,
+        memory_utilization: float = 0.85,
     ) -> None:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         if batching not in ("static", "continuous"):
             raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
         self.batching = batching
+        self.memory_utilization = memory_utilization  # continuous: the slots' memory ceiling
         # ``length_plan(prompts, n) -> [len(prompts) * n]`` token budgets (benchmarks: drawn
         # completion lengths standing in for where a trained policy would stop)
         self.length_plan = length_plan
@@ -111,6 +113,7 @@ class EmbeddedEngine:
             version_fn=context.get("version_fn"),
             banned_token_ids=context.get("banned_token_ids"),
             batching=resolve_batching(cfg.embedded.batching, on_cuda, cfg.embedded.extra_groups),
+            memory_utilization=cfg.embedded.memory_utilization,
         )
         engine.check_fits(cfg.prompts_per_step, cfg.n_samples, cfg.sampling.max_new_tokens)
         return engine
@@ -249,6 +252,7 @@ class EmbeddedEngine:
                 batching=self.batching,
                 max_slots=self.max_batch_rows,
                 plan=plan,
+                memory_utilization=self.memory_utilization,
                 **mm,
             )
 
