@@ -32,11 +32,11 @@ def fill(shape: tuple[int, ...], noise: torch.Tensor) -> torch.Tensor:
 
 
 def write_shards(
-    dst: Path, shapes: dict[str, tuple[int, ...]], limit: int, name: str, seed: int, over: bool
+    dst: Path, shapes: dict, limit: int, name: str, seed: int, over: bool, meta: Any = None
 ) -> dict[str, str]:
     """``shapes`` as bf16 safetensors files ``dst/name.format(i=, n=)``, random-looking bytes tiled
-    from one draw, in order: a file ends before ``limit`` bytes (``over``: once it reaches them).
-    Returns tensor name -> file name."""
+    from one draw, in order: a file ends before ``limit`` bytes (``over``: once it reaches them);
+    ``meta``: the files' header metadata. Returns tensor name -> file name."""
     noise = torch.randn(1 << 22, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     files: list[list[str]] = [[]]
     size = 0
@@ -49,7 +49,7 @@ def write_shards(
     where: dict[str, str] = {}
     for i, names in enumerate(files, start=1):
         fname = name.format(i=i, n=len(files))
-        save_file({k: fill(shapes[k], noise) for k in names}, dst / fname, {"format": "pt"})
+        save_file({k: fill(shapes[k], noise) for k in names}, dst / fname, meta)
         where |= dict.fromkeys(names, fname)
     return where
 
@@ -75,7 +75,7 @@ def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, A
     shapes["talker.model.norm.weight"] = (1024,)  # dropped by every variant, as on the hub
     dst.mkdir(parents=True)
     shard = "model-{i:05d}-of-{n:05d}.safetensors"
-    weight_map = write_shards(dst, shapes, shard_bytes, shard, seed=0, over=False)
+    weight_map = write_shards(dst, shapes, shard_bytes, shard, 0, False, {"format": "pt"})
     index = {"metadata": {}, "weight_map": weight_map}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
