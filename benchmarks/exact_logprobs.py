@@ -87,7 +87,7 @@ def run_one(
     if args.profile:  # one more generation and update, not timed: where their GPU time goes
         out, tag = Path(args.profile), f"{mode}_{'on' if exact else 'off'}"
         out.mkdir(parents=True, exist_ok=True)
-        clear_item_caches(thinker)
+        clear_item_caches(backend.model)
         generate = partial(engine.generate, prompts, args.group, sampling)
         groups = harness.profile_table(generate, out / f"profile_{tag}_generation.txt")
         adv = rig.advantages(groups, args.group)
