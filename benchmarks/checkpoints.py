@@ -27,15 +27,36 @@ Side = tuple[tuple[Path, ...], Callable[[Path], dict[str, Any]]]
 
 
 def fill(shape: tuple[int, ...], noise: torch.Tensor) -> torch.Tensor:
-    """A bf16 tensor of ``shape`` tiled from ``noise``: random-looking bytes, drawn once."""
     n = math.prod(shape)
     return noise.repeat(-(-n // noise.numel()))[:n].reshape(shape)
 
 
+def write_shards(
+    dst: Path, shapes: dict, limit: int, name: str, seed: int, over: bool, meta: Any = None
+) -> dict[str, str]:
+    """``shapes`` as bf16 safetensors files ``dst/name.format(i=, n=)``, random-looking bytes tiled
+    from one draw, in order: a file ends before ``limit`` bytes (``over``: once it reaches them);
+    ``meta``: the files' header metadata. Returns tensor name -> file name."""
+    noise = torch.randn(1 << 22, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    files: list[list[str]] = [[]]
+    size = 0
+    for tensor, shape in shapes.items():
+        n = 2 * math.prod(shape)
+        if files[-1] and (size >= limit if over else size + n > limit):
+            files, size = [*files, []], 0
+        files[-1].append(tensor)
+        size += n
+    where: dict[str, str] = {}
+    for i, names in enumerate(files, start=1):
+        fname = name.format(i=i, n=len(files))
+        save_file({k: fill(shapes[k], noise) for k in names}, dst / fname, meta)
+        where |= dict.fromkeys(names, fname)
+    return where
+
+
 def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, Any]:
     """A hub-layout bf16 Qwen3-Omni checkpoint at the released widths with ``layers`` layers,
-    written directly as safetensors shards filled greedily, so that their boundaries cut
-    through a layer's expert list as on the hub; returns its size facts."""
+    its shards cut through a layer's expert list as on the hub; returns its size facts."""
     from omni_extract import tiny
     from omni_extract.expected import expected_thinker_tensors
     from omni_extract.tokens import REAL_IDS
@@ -53,21 +74,8 @@ def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, A
     shapes = expected_thinker_tensors(config["thinker_config"])
     shapes["talker.model.norm.weight"] = (1024,)  # dropped by every variant, as on the hub
     dst.mkdir(parents=True)
-    noise = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        n = 2 * math.prod(shape)
-        if shards[-1] and size + n > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    weight_map: dict[str, str] = {}
-    for i, names in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: fill(shapes[k], noise) for k in names}, dst / fname, {"format": "pt"})
-        weight_map.update(dict.fromkeys(names, fname))
+    shard = "model-{i:05d}-of-{n:05d}.safetensors"
+    weight_map = write_shards(dst, shapes, shard_bytes, shard, 0, False, {"format": "pt"})
     index = {"metadata": {}, "weight_map": weight_map}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
@@ -139,28 +147,32 @@ def best(runs: list[dict[str, Any]]) -> tuple[float, float]:
     return min(r["seconds"] for r in runs), min(r["durable_seconds"] for r in runs)
 
 
-def gbps(total: int, runs: list[dict[str, Any]]) -> dict[str, float]:
+def gbps(total: int, runs: list[dict[str, Any]], method: str = "", **facts: Any) -> dict[str, Any]:
+    """A side's best GB/s (cached, durable), after its ``method`` and ``facts`` when given."""
     cached, durable_s = best(runs)
-    return {
+    gb = {
         "cached_gbps": round(total / cached / 1e9, 3),
         "durable_gbps": round(total / durable_s / 1e9, 3),
     }
+    return ({"method": method} if method else {}) | facts | gb
 
 
-def ratios(prefix: str, runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
-    """``<prefix>_cached`` / ``_durable``: throughput of ``runs`` over ``base``'s (best of each)."""
-    (ours, ours_d), (theirs, theirs_d) = best(runs), best(base)
-    return {
-        f"{prefix}_cached": round(theirs / ours, 3),
-        f"{prefix}_durable": round(theirs_d / ours_d, 3),
-    }
+def ratios(runs: list[dict[str, Any]], **bases: list[dict[str, Any]]) -> dict[str, float]:
+    """Per base ``<name>_cached`` / ``_durable``: ``runs``' throughput over the base's (best of each)."""
+    (ours, ours_d), out = best(runs), {}
+    for name, base in bases.items():
+        theirs, theirs_d = best(base)
+        out |= {
+            f"{name}_cached": round(theirs / ours, 3),
+            f"{name}_durable": round(theirs_d / ours_d, 3),
+        }
+    return out
 
 
 def measured(total: int, runs: list[dict[str, Any]], note: str, **facts: Any) -> dict[str, Any]:
     """The measured side's section: GB/s, each run's times, ``facts``, output and peak RSS."""
     times = ("seconds", "durable_seconds", "import_seconds")
-    return {
-        **gbps(total, runs),
+    return gbps(total, runs) | {
         "runs": [{k: round(r[k], 3) for k in times} for r in runs],
         **facts,
         "largest_output_shard_bytes": runs[-1]["largest_output_shard_bytes"],

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import thinker_rig
 import torch
 import yaml
 
@@ -65,11 +66,8 @@ def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) ->
     t = np.arange(int(args.audio_seconds * RATE)) / RATE
     chirp = (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
     fps = args.video_frames / args.audio_seconds if args.long_prompts else 2.0
-    n, size = args.video_frames, args.video_size
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    frames = np.stack(
-        [(np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8) for i in range(n)]
-    )
+    n = args.video_frames
+    frames = np.stack([thinker_rig.colour_field(args.video_size, i, n) for i in range(n)])
     rows = []
     for i, s in enumerate(samples):
         media = []

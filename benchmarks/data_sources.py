@@ -1,9 +1,7 @@
 """Rows through the parquet path vs jsonl + media files, and RSS while streaming a big parquet.
 
-Throughput: every synthetic perception row through ``OmniDataset.load`` from both sources, file
-order and shuffled, best of ``--repeats``, and the one step where they differ (an item's bytes)
-alone. Memory: a parquet of more than ``--stream-gb`` GB streamed in a child, against its first
-tenth, the same rows as jsonl + files and as a ``save_to_disk`` Arrow file (docs/benchmarks.md).
+Every synthetic perception row through ``OmniDataset.load`` from both sources, and a parquet of
+more than ``--stream-gb`` GB streamed in a child against other layouts: docs/benchmarks.md.
 
     uv run python benchmarks/data_sources.py [--rows-per-task 40] [--stream-gb 2.2] [--tmp DIR]
 """
@@ -62,7 +60,13 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
                     for i in order:
                         assert sources[name].load(int(i)) is not None
                 best[order_name][name] = max(best[order_name].get(name, 0.0), n / t.s)
-    identical = all(_same(sources["jsonl"].load(i), sources["parquet"].load(i)) for i in range(n))
+    pairs = [(sources["jsonl"].load(i), sources["parquet"].load(i)) for i in range(n)]
+    identical = all(
+        a.input_ids == b.input_ids
+        and a.mm.keys() == b.mm.keys()
+        and all(bool((a.mm[k] == b.mm[k]).all()) for k in a.mm)
+        for a, b in pairs
+    )
     return {
         "rows": n,
         "identical_inputs": identical,
@@ -76,12 +80,6 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
             for order, r in best.items()
         },
     }
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a.input_ids != b.input_ids or a.mm.keys() != b.mm.keys():
-        return False
-    return all(bool((a.mm[k] == b.mm[k]).all()) for k in a.mm)
 
 
 def media_access(files: Any, table: Any, repeats: int) -> dict[str, float]:
@@ -101,11 +99,9 @@ def media_access(files: Any, table: Any, repeats: int) -> dict[str, float]:
             for m in table_items:
                 table.loaded.fetch(m)
         best["parquet"] = min(best["parquet"], t.s / len(table_items))
-    return {
-        "file_resolve_read_us": round(best["file"] * 1e6, 1),
-        "parquet_fetch_us": round(best["parquet"] * 1e6, 1),
-        "ratio_speed_parquet_vs_file": round(best["file"] / best["parquet"], 3),
-    }
+    us = {"file_resolve_read_us": best["file"], "parquet_fetch_us": best["parquet"]}
+    ratio = {"ratio_speed_parquet_vs_file": round(best["file"] / best["parquet"], 3)}
+    return {k: round(v * 1e6, 1) for k, v in us.items()} | ratio
 
 
 def stream_rows(n_rows: int, rng: np.random.Generator) -> Iterator[tuple[bytes, bytes]]:
@@ -178,21 +174,17 @@ def child_stream(spec: str, model_dir: str, limit: int) -> dict[str, Any]:
     """(the child) Stream ``limit`` rows of ``spec`` (0: all); its memory figures."""
     path = Path(spec)
     ds = dataset(path, path if path.is_dir() else path.parent, Path(model_dir))
-    after_open = harness.status_kb("VmRSS")
-    peak_anon = peak_file = 0
+    mb = {"rss_after_open_mb": harness.status_kb("VmRSS"), "peak_rss_anon_mb": 0}
+    mb["peak_rss_file_mb"] = 0
     n = min(limit, len(ds)) if limit > 0 else len(ds)
     with harness.timed() as t:
         for i in range(n):
             assert ds.load(i) is not None
-            peak_anon = max(peak_anon, harness.status_kb("RssAnon"))
-            peak_file = max(peak_file, harness.status_kb("RssFile"))
-    return {
-        "rows": n,
-        "rows_per_s": round(n / t.s, 2),
-        "rss_after_open_mb": round(after_open / 1024, 1),
-        "peak_rss_mb": round(harness.status_kb("VmHWM") / 1024, 1),
-        "peak_rss_anon_mb": round(peak_anon / 1024, 1),
-        "peak_rss_file_mb": round(peak_file / 1024, 1),
+            mb["peak_rss_anon_mb"] = max(mb["peak_rss_anon_mb"], harness.status_kb("RssAnon"))
+            mb["peak_rss_file_mb"] = max(mb["peak_rss_file_mb"], harness.status_kb("RssFile"))
+    mb["peak_rss_mb"] = harness.status_kb("VmHWM")
+    return {"rows": n, "rows_per_s": round(n / t.s, 2)} | {
+        k: round(v / 1024, 1) for k, v in mb.items()
     }
 
 
@@ -201,12 +193,9 @@ def stream(spec: Path, model_dir: Path, limit: int = 0) -> dict[str, Any]:
     every source streams cold, whatever order they were written in."""
     folder = spec if spec.is_dir() or spec.suffix == ".parquet" else spec.parent
     for f in [folder] if folder.is_file() else [p for p in folder.rglob("*") if p.is_file()]:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     argv = [sys.executable, __file__, "--child", str(spec), str(model_dir), str(limit)]
     return harness.child_json(argv)
 

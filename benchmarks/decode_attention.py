@@ -1,10 +1,9 @@
 """One decode step's attention at the released thinker's widths, against the bytes it must read.
 
 Per row count and decode position, over ``--layers`` distinct layer buffers: packed-GQA SDPA over
-the whole static buffer (``sdpa_full``) and cut at the next ``--bucket`` multiple
-(``sdpa_bucket``), and the split-KV Triton kernel (``kernel``, with its largest difference to
-SDPA): seconds per layer and the bytes each row's keys and values must read per second, over the
-copy bandwidth measured in the same run (docs/benchmarks.md, "Methods").
+the whole static buffer, cut at the next ``--bucket`` multiple, and the split-KV Triton kernel:
+seconds per layer, and the bytes it must read per second over the copy bandwidth measured in the
+same run (docs/benchmarks.md, "Methods").
 
     python benchmarks/decode_attention.py                     # H200
 """

@@ -1,11 +1,8 @@
 """Benchmark: does the embedded demo learn for every seed and thread count, and at what cost?
 
-``omni-grpo train --config examples/tiny.yaml --set run.seed=S`` per seed x
-``OMNI_GRPO_TORCH_THREADS``, one run at a time, each ``--baseline`` run (``BASELINES``) right
-after the recipe run of its seed and thread count: per run the final held-out accuracy per
-modality, its post-learning collapses (:func:`collapses`), pass/fail, wall and CPU time and their
-ratios to the baseline's; per thread count the pass count. Minutes per run; the method:
-docs/benchmarks.md, "Methods".
+Per seed x ``OMNI_GRPO_TORCH_THREADS`` one ``omni-grpo train`` of ``examples/tiny.yaml``, each
+``--baseline`` run right after it: final accuracies, collapses, pass/fail, wall and CPU time and
+their ratios. Minutes per run; the method: docs/benchmarks.md, "Methods".
 
     uv run python benchmarks/demo_seeds.py [--seeds 0-4] [--threads 1,2] [--baseline main]
         [--set rollout.max_staleness=1 ...] [--work DIR: keep the run directories]
@@ -38,8 +35,6 @@ OLD_LR = ("trainer.lr_schedule.kind=constant", "trainer.betas=[0.9, 0.999]")
 BASELINES: dict[str, tuple[str, ...]] = {
     # the recipe on main at cff798f: the exact KL at a constant learning rate, Adam beta2 0.999
     "main": OLD_LR,
-    # the recipe on main at 9d8faeb: the sampled k3 estimator instead of the exact KL too
-    "k3": ("algo.kl_type=k3", *OLD_LR),
     # the demo issue 16 was filed against (main at 46b1011): no KL anchor, 200 steps, evaluation
     # every 25, the tiny model and data pinned to seed 0
     "issue16": (
@@ -64,14 +59,8 @@ def parse_ints(text: str) -> list[int]:
 
 
 def eval_history(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    return {
-        m: [
-            (r["step"], float(r[f"eval/accuracy/{m}"]))
-            for r in records
-            if f"eval/accuracy/{m}" in r
-        ]
-        for m in MODALITIES
-    }
+    key = "eval/accuracy/{}".format
+    return {m: [(r["step"], float(r[key(m)])) for r in records if key(m) in r] for m in MODALITIES}
 
 
 def chance_levels(run_dir: Path) -> dict[str, float]:
@@ -146,14 +135,9 @@ def run_one(
             proc.wait()
             raise
     code = os.waitstatus_to_exitcode(status)
-    out: dict[str, Any] = {
-        "seed": seed,
-        "threads": threads,
-        "exit_code": code,
-        "wall_s": round(wall.s, 1),
-        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
-        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-    }
+    out: dict[str, Any] = {"seed": seed, "threads": threads, "exit_code": code}
+    out |= {"wall_s": round(wall.s, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}
+    out["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if code != 0:
         out["error"] = (work / f"{name}.log").read_text().strip().splitlines()[-1:]
         return out
@@ -207,12 +191,10 @@ def main() -> None:
     # threads-major (the fast thread count first, so a stopped sweep still covers every seed),
     # each baseline run right after the recipe run of its seed and thread count so load drifts
     # hit both the same way
-    order = []
-    for t in threads:
-        for s in seeds:
-            order.append(("recipe", s, t))
-            if s in base_seeds and t in base_threads:
-                order.append(("baseline", s, t))
+    order = [(k, s, t) for t in threads for s in seeds for k in ("recipe", "baseline")]
+    order = [
+        (k, s, t) for k, s, t in order if k == "recipe" or (s in base_seeds and t in base_threads)
+    ]
     configs = {"recipe": (args.config, tuple(args.overrides))}
     configs["baseline"] = (args.config, BASELINES[args.baseline])
     runs, interrupted = sweep(order, configs, args.work)

@@ -5,8 +5,6 @@ full) ``--steps`` GRPO steps with the option off, then on: per step the share of
 tokens whose rollout logprob equals the trainer's bitwise, mean |delta|, seconds; ``samples_per_s``
 after step 1 and ``on_over_off`` (target >= 0.85). The setup: docs/exact-logprobs.md, "Measured".
 
-Prints ONE JSON object.
-
     python benchmarks/exact_logprobs.py --work /tmp/og                 # H200: 8 x 8 x 256, 5 steps
     python benchmarks/exact_logprobs.py --work /tmp/og --modes lora --steps 2 --max-new-tokens 64
 """
@@ -17,6 +15,7 @@ import argparse
 import gc
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import released
 import thinker_rig as rig
 import torch
 
-GIB = 1 << 30
+GIB = harness.GIB
 KINDS = ("image", "audio", "video", "text")
 
 
@@ -52,9 +51,7 @@ def run_one(
         lora = None
         if mode == "lora":
             lora = LoraConfig(rank=16, alpha=32.0, targets=["attention", "experts"])
-        mb = dict(
-            micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens
-        )
+        mb = {k: vars(args)[k] for k in ("micro_batch_size", "micro_batch_tokens")}
         backend = rig.trainer(thinker, device, pad, lora, 0.01, lr=1e-5 if lora else 1e-6, **mb)
         switched = enable_exact_logprobs(thinker) if exact else {}
         engine = rig.engine(thinker, eos, device)
@@ -71,32 +68,31 @@ def run_one(
         adv = rig.advantages(groups, args.group)
         with harness.timed(device) as upd:
             metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
-        row: dict[str, Any] = {
-            "generation_s": round(gen.s, 3),
-            "update_s": round(upd.s, 3),
-            "step_s": round(gen.s + upd.s, 3),
-            "new_tokens": sum(len(c.token_ids) for g in groups for c in g),
-            "exact_fraction": metrics.get("train_rollout_logprob_exact_fraction"),
-            "abs_diff": metrics.get("train_rollout_logprob_abs_diff"),
-            "pearson": metrics.get("train_rollout_logprob_pearson"),
-            "skipped_step": metrics.get("skipped_step"),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2),
-            # the update's phases (TorchBackend's clock): KL reference forward, policy passes
-            "reference_s": round(float(metrics.get("time_reference_s", 0.0)), 3),
-            "policy_s": round(float(metrics.get("time_policy_s", 0.0)), 3),
-        }
+        row: dict[str, Any] = {"generation_s": round(gen.s, 3), "update_s": round(upd.s, 3)}
+        row["step_s"] = round(gen.s + upd.s, 3)
+        row["new_tokens"] = sum(len(c.token_ids) for g in groups for c in g)
+        for k in ("exact_fraction", "abs_diff", "pearson"):
+            row[k] = metrics.get(f"train_rollout_logprob_{k}")
+        row["skipped_step"] = metrics.get("skipped_step")
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        # the update's phases (TorchBackend's clock): KL reference forward, policy passes
+        for k in ("reference", "policy"):
+            row[f"{k}_s"] = round(float(metrics.get(f"time_{k}_s", 0.0)), 3)
         if exact:
-            watch = backend.exact_watch
-            row["by_modality"] = {
-                m: {"differ": b, "tokens": n} for m, (b, n) in watch.totals.items()
-            }
-            watch.totals.clear()
+            totals = backend.exact_watch.totals
+            row["by_modality"] = {m: {"differ": b, "tokens": n} for m, (b, n) in totals.items()}
+            totals.clear()
         steps.append(row)
         print(json.dumps({"mode": mode, "exact": exact, "step": row}), file=sys.stderr, flush=True)
-    if args.profile:  # one more step, not timed: where the update's GPU time goes
-        profile_update(
-            args, backend, engine, prompts, sampling, f"{mode}_{'on' if exact else 'off'}"
-        )
+    if args.profile:  # one more generation and update, not timed: where their GPU time goes
+        out, tag = Path(args.profile), f"{mode}_{'on' if exact else 'off'}"
+        out.mkdir(parents=True, exist_ok=True)
+        clear_item_caches(backend.model)
+        generate = partial(engine.generate, prompts, args.group, sampling)
+        groups = harness.profile_table(generate, out / f"profile_{tag}_generation.txt")
+        adv = rig.advantages(groups, args.group)
+        batch = GRPOBatch(groups, adv, temperature=sampling.temperature)
+        harness.profile_table(partial(backend.step, batch), out / f"profile_{tag}.txt")
     timed = steps[1:] or steps
     rows = args.prompts * args.group
     out = {
@@ -113,26 +109,6 @@ def run_one(
     return out
 
 
-def profile_update(
-    args: argparse.Namespace, backend: Any, engine: Any, prompts: Any, sampling: Any, tag: str
-) -> None:
-    """``--profile DIR``: torch.profiler over one generation and one update; the kernels by
-    total GPU time and by CPU time go to ``DIR/profile_<tag>_generation.txt`` and
-    ``DIR/profile_<tag>.txt``."""
-    from omni_grpo.exact.towers import clear_item_caches
-    from omni_grpo.types import GRPOBatch
-
-    out = Path(args.profile)
-    out.mkdir(parents=True, exist_ok=True)
-    clear_item_caches(backend.model)
-    groups = harness.profile_table(
-        lambda: engine.generate(prompts, args.group, sampling),
-        out / f"profile_{tag}_generation.txt",
-    )
-    batch = GRPOBatch(groups, rig.advantages(groups, args.group), temperature=sampling.temperature)
-    harness.profile_table(lambda: backend.step(batch), out / f"profile_{tag}.txt")
-
-
 def main() -> None:
     ap = harness.parser(__doc__, work="/tmp/exact_logprobs", layers=4, prompts=8, group=8)
     harness.add_options(ap, max_new_tokens=256, image_size=448, audio_seconds=30.0)
@@ -141,9 +117,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="a folder: profile one extra update per run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit(
-            "exact_logprobs.py needs a CUDA device (rollout.exact_logprobs is GPU-only)"
-        )
+        raise SystemExit("exact_logprobs.py needs a CUDA device (exact_logprobs is GPU-only)")
     harness.torch_threads(4)
     work = Path(args.work)
     skeleton = released.make_skeleton(work / "skeleton")

@@ -1,10 +1,7 @@
 """Benchmark: ``omni-grpo export`` (omni format) vs a plain copy of the same bytes, same run, same disk.
 
-A torch-backend checkpoint of the whole language model next to a generated base at the released
-widths (``checkpoints``); alternating ``--repeats`` times: ``copy`` (in a child),
-``copy_in_process``, ``copy_same_ranges`` (exactly the byte ranges export moves: the ratio to it
-is export's own overhead) and ``export``. Targets: >= 0.7 of a copy's throughput, peak RSS <= 1.5
-largest output shards (docs/benchmarks.md, "Methods").
+The sides (``copy``, ``copy_in_process``, ``copy_same_ranges``: export's own overhead) and the
+checkpoints (``checkpoints``): docs/benchmarks.md, "Methods"; the result: docs/export.md.
 
     uv run python benchmarks/export.py [--workdir /tmp/omni-export-bench] [--layers 2]
 """
@@ -12,15 +9,12 @@ largest output shards (docs/benchmarks.md, "Methods").
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any
 
 import checkpoints as ck
 import harness
-import torch
-from safetensors.torch import save_file
 
 
 def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
@@ -43,22 +37,15 @@ def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
             trained[found.name_in("vl")] = shape  # type: ignore[index]
     ckpt = run_dir / "checkpoints" / "step_000001"
     ckpt.mkdir(parents=True)
-    noise = torch.randn(1 << 22, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    files: list[list[str]] = [[]]
-    size = 0
-    for name, shape in trained.items():
-        if size >= file_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(name)
-        size += 2 * math.prod(shape)
-    for i, names in enumerate(files, start=1):
-        tensors = {n: ck.fill(trained[n], noise) for n in names}
-        save_file(tensors, str(ckpt / f"model-rank{i:05d}.safetensors"))
+    files = ck.write_shards(ckpt, trained, file_bytes, "model-rank{i:05d}.safetensors", 1, True)
     (ckpt / "state.json").write_text(json.dumps({"format": 1, "step": 1}))
     (run_dir / "config.yaml").write_text(f"model:\n  omni_checkpoint: {base}\n")
     nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    return {"trained_tensors": len(trained), "trained_files": len(files), "trained_bytes": nbytes}
+    return {
+        "trained_tensors": len(trained),
+        "trained_files": len(set(files.values())),
+        "trained_bytes": nbytes,
+    }
 
 
 def main() -> None:
@@ -85,27 +72,26 @@ def main() -> None:
     note = "GB/s over output bytes; timed inside the process, imports excluded"
     first = {"tensors": exp[0]["tensors"], "replaced": exp[0]["replaced"]}
     side = ck.measured(total, exp, note, **first, output_bytes=exp[0]["bytes"])
+    in_child = ", in a child with the export child's imports"
+    same = "sendfile of exactly the byte ranges export moves (same source files, same order) into one file"
     result: dict[str, Any] = {
         "checkpoint": {**facts, "generate_seconds": round(gen_s, 1), "dtype": "bfloat16"},
-        "copy": {
-            "method": "shutil.copyfile of the base's shard files, in a child with the export "
-            "child's imports",
-            **ck.gbps(total, runs["copy"]),
-        },
-        "copy_in_process": {
-            "method": "the same copy inside this long-running process",
-            **ck.gbps(total, runs["copy_in_process"]),
-        },
-        "copy_same_ranges": {
-            "method": "sendfile of exactly the byte ranges export moves (same source files, same "
-            "order) into one file, in a child with the export child's imports",
-            "ranges": runs["ranges"][-1]["ranges"],
-            **ck.gbps(total, runs["ranges"]),
-        },
+        "copy": ck.gbps(
+            total, runs["copy"], "shutil.copyfile of the base's shard files" + in_child
+        ),
+        "copy_in_process": ck.gbps(
+            total, runs["copy_in_process"], "the same copy inside this long-running process"
+        ),
+        "copy_same_ranges": ck.gbps(
+            total, runs["ranges"], same + in_child, ranges=runs["ranges"][-1]["ranges"]
+        ),
         "export": side,
-        **ck.ratios("export_vs_same_ranges", exp, runs["ranges"]),
-        **ck.ratios("export_vs_copy_throughput", exp, runs["copy"]),
-        **ck.ratios("export_vs_in_process_copy", exp, runs["copy_in_process"]),
+        **ck.ratios(
+            exp,
+            export_vs_same_ranges=runs["ranges"],
+            export_vs_copy_throughput=runs["copy"],
+            export_vs_in_process_copy=runs["copy_in_process"],
+        ),
         "peak_rss_vs_largest_shard": round(
             side["peak_rss_bytes"] / side["largest_output_shard_bytes"], 3
         ),

@@ -1,9 +1,7 @@
 """Benchmark: streaming ``vl`` extraction vs a plain file copy vs a naive transformers round trip.
 
-A multi-GB hub-layout checkpoint at the released widths (``checkpoints``); alternating
-``--repeats`` times: ``copy`` (in a child), ``copy_in_process`` and ``vl`` extraction (in a child,
-peak RSS its VmHWM); then once ``naive`` (transformers' ``from_pretrained`` + ``save_pretrained``).
-Targets: >= 0.7 of a copy's throughput, peak RSS <= 1.2 (largest input + output shard).
+Alternating ``copy``, ``copy_in_process`` and ``vl`` extraction of a multi-GB hub checkpoint
+(``checkpoints``), then once ``naive``: docs/benchmarks.md, "Methods".
 
     uv run python benchmarks/extract.py [--workdir /tmp/omni-extract-bench] [--layers 2]
 """
@@ -37,26 +35,25 @@ def main() -> None:
     side = ck.measured(total, vl, note, output_bytes=vl[0]["bytes"], output_shards=vl[0]["shards"])
     rss = side["peak_rss_bytes"]
     budget = facts["largest_shard_bytes"] + side["largest_output_shard_bytes"]
+    copy = (
+        "shutil.copyfile of the same shard files, same disk, in a child with the vl child's imports"
+    )
+    in_process = "the same copy inside this long-running process (no import pause before it)"
+    times = [{k: round(r[k], 3) for k in ("seconds", "durable_seconds")} for r in copies]
+    layout = "hub layout, released widths, fewer layers; shards cut through expert lists"
     result: dict[str, Any] = {
         "checkpoint": {
             **facts,
             "generate_seconds": round(gen_s, 1),
             "dtype": "bfloat16",
-            "note": "hub layout, released widths, fewer layers; shards cut through expert lists",
+            "note": layout,
         },
-        "copy": {
-            "method": "shutil.copyfile of the same shard files, same disk, in a child with the "
-            "vl child's imports",
-            **ck.gbps(total, copies),
-            "runs": [{k: round(r[k], 3) for k in ("seconds", "durable_seconds")} for r in copies],
-        },
+        "copy": ck.gbps(total, copies, copy) | {"runs": times},
         "vl_extract": side,
-        "copy_in_process": {
-            "method": "the same copy inside this long-running process (no import pause before it)",
-            **ck.gbps(total, runs["copy_in_process"]),
-        },
-        **ck.ratios("vl_vs_in_process_copy", vl, runs["copy_in_process"]),
-        **ck.ratios("vl_vs_copy_throughput", vl, copies),
+        "copy_in_process": ck.gbps(total, runs["copy_in_process"], in_process),
+        **ck.ratios(
+            vl, vl_vs_in_process_copy=runs["copy_in_process"], vl_vs_copy_throughput=copies
+        ),
         "peak_rss_vs_largest_input_plus_output_shard": round(rss / budget, 3),
         "targets": {"vl_vs_copy_throughput": ">= 0.70", "peak_rss_ratio": "<= 1.2"},
         "machine": ck.machine(),

@@ -14,9 +14,11 @@ puts the script's folder on ``sys.path``, so ``import harness`` works from any w
     harness.now(device)                     # perf_counter once the queued CUDA work is done
     harness.peak_bytes(device, reset)       # CUDA peak allocation, else this process's peak RSS
     harness.status_kb("VmHWM")              # /proc/self/status figures (a child's own peak RSS)
+    harness.nbytes(tensors)                 # their bytes; state_tensors(optimizer): its state's
     harness.profile_table(fn, dst)          # fn() under torch.profiler: its ops' table to dst
     harness.torch_threads(default)          # OMNI_GRPO_TORCH_THREADS, else ``default``
     harness.child_json(argv)                # a side in its own process: its last JSON line
+    harness.rerun("--side", "ours")         # child_json of this script's own command + those
     harness.train_metrics(run_dir)          # a training run's metrics.jsonl; means(rows, keys)
     harness.versions("peft")                # python, git commit, GPU, torch, transformers, triton
     harness.emit(NAME, record, args.save)   # print (+ "benchmark", "versions"); --save MACHINE
@@ -57,11 +59,14 @@ def parser(doc: str | None, **options: Any) -> argparse.ArgumentParser:
 
 def add_options(ap: argparse.ArgumentParser, **options: Any) -> argparse.ArgumentParser:
     """``name=default`` as ``--name`` of the default's type (False: a flag; a list: one or more
-    values; a type such as ``Path``: that type, default None). With help or choices: add_argument."""
+    values; a tuple: one of its items, default the first; a type such as ``Path``: that type,
+    default None). With help: add_argument."""
     for name, default in options.items():
         flag = "--" + name.replace("_", "-")
         if default is False:
             ap.add_argument(flag, action="store_true")
+        elif isinstance(default, tuple):
+            ap.add_argument(flag, choices=default, default=default[0])
         elif isinstance(default, type):
             ap.add_argument(flag, type=default)
         elif isinstance(default, list):
@@ -212,6 +217,18 @@ def status_kb(field: str) -> int:
     return 0
 
 
+def nbytes(tensors: Any) -> int:
+    """The bytes of ``tensors`` (any iterable of them: parameters, :func:`state_tensors`)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_tensors(optimizer: Any) -> list[Any]:
+    """The tensors of an optimizer's state (AdamW's moments and steps)."""
+    import torch
+
+    return [x for s in optimizer.state.values() for x in s.values() if torch.is_tensor(x)]
+
+
 def torch_threads(default: int) -> int:
     """Set torch's threads to ``OMNI_GRPO_TORCH_THREADS`` (as the trainer reads it), else
     ``default``: on a shared box more threads than free cores only add barrier waits."""
@@ -234,6 +251,12 @@ def child_json(argv: list[str], check: bool = True, **run: Any) -> dict[str, Any
     if check:
         raise RuntimeError(f"{argv[1:3]} exited {proc.returncode}:\n" + "\n".join(tail))
     return {"error": f"exit {proc.returncode}", "stderr_tail": tail}
+
+
+def rerun(*extra: str, check: bool = True, **run: Any) -> dict[str, Any]:
+    """:func:`child_json` of this script's own command line with ``extra`` arguments appended (a
+    hidden option that makes the child measure one side)."""
+    return child_json([sys.executable, sys.argv[0], *sys.argv[1:], *extra], check, **run)
 
 
 def train_metrics(run_dir: Path) -> list[dict[str, Any]]:

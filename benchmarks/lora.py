@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,18 +40,16 @@ def variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, f
     with harness.timed(backend.device) as t:
         for _ in range(steps):
             backend.step(batch)
-    state = [x for s in backend.optimizer.state.values() for x in s.values() if torch.is_tensor(x)]
     return {
         "samples_per_s": sum(len(g) for g in groups) * steps / t.s,
         "peak_memory_mb": harness.peak_bytes(backend.device) / 2**20,
         "trainable_params": float(sum(p.numel() for p in backend.params)),
-        "optimizer_state_mb": sum(x.numel() * x.element_size() for x in state) / 2**20,
+        "optimizer_state_mb": harness.nbytes(harness.state_tensors(backend.optimizer)) / 2**20,
     }
 
 
 def main() -> None:
-    ap = harness.parser(__doc__, steps=5, rank=16)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    ap = harness.parser(__doc__, steps=5, rank=16, device=("cpu", "cuda", "auto"))
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant is not None:  # a child: one variant, one JSON line
@@ -60,8 +57,7 @@ def main() -> None:
         return
     lora = {"rank": args.rank, "alpha": 2 * args.rank}
     lora["targets"] = ["attention", "experts", "visual", "lm_head"]
-    argv = [sys.executable, __file__, *sys.argv[1:], "--variant"]
-    full, adapted = (harness.child_json([*argv, json.dumps(v)]) for v in (None, lora))
+    full, adapted = (harness.rerun("--variant", json.dumps(v)) for v in (None, lora))
     record = {
         "benchmark": "lora_vs_full",
         "device": args.device,

@@ -1,24 +1,13 @@
 """The one-GPU memory model of LoRA GRPO on the Qwen3-Omni thinker: measured per depth, fitted per
 layer, projected to the released 48 text layers and checked against a run at the deepest depth
-that fits.
-
-Each depth is one spawned process (its peak is its own): the thinker at real widths, random bf16
-weights drawn on the device (``thinker_rig``), one full LoRA GRPO step per ``--steps`` (image
-prompts, full-length samples, k3 KL to the adapters-disabled base, AdamW); per depth the peak
-allocated and reserved memory of generation and update and the model's, adapters' and AdamW's
-bytes. Least squares of the step peak on ``--layers``, projected to 48 and compared with the
-``--deep`` run (falling back through ``--deep-fallback``). The method and the audio tower left
-out: docs/one-gpu-lora.md, "The memory model (measured)".
-
-Prints ONE JSON object.
+that fits (``--deep``, else ``--deep-fallback``). Each depth in its own process (``thinker_rig``);
+the method: docs/one-gpu-lora.md, "The memory model (measured)".
 
     python benchmarks/lora_memory.py --work /tmp/lm                       # H200: 2,4,8 + 48
     python benchmarks/lora_memory.py --device cpu --widths tiny --layers 1,2 --deep 3 \\
         --prompts 2 --group 2 --max-new-tokens 4 --image-size 64 --steps 1  # CPU smoke run
 
-Runs with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (set here for the children unless
-already set): reserved memory then stays close to allocated, which is what the 1-GPU example
-config relies on.
+Children run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,7 +51,7 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     vl_dir, cfg = rig.vl_dir_at(work / "skeleton", work / f"vl-{layers}", layers, args.widths)
     with harness.timed(device) as build:
         thinker = rig.thinker_at(cfg, vl_dir, work / "skeleton", device, dtype)
-        model_bytes = sum(p.numel() * p.element_size() for p in thinker.parameters())
+        model_bytes = harness.nbytes(thinker.parameters())
         model_params = sum(p.numel() for p in thinker.parameters())
     after_build = _mem(device)  # includes the random init's transients (the 48-layer build
     # peaked at 2x the model, 114.7 GiB): none of that is the training step's, so the cache is
@@ -82,7 +72,6 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         thinker, device, pad, lora, args.kl_coef, micro_batch_size=mb, gradient_checkpointing=ckpt
     )
     adapters = [p for p in thinker.parameters() if p.requires_grad]
-    adapter_bytes = sum(p.numel() * p.element_size() for p in adapters)
     engine = rig.engine(thinker, eos, device, tok)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     gen_peak: dict[str, float] = {}
@@ -99,29 +88,16 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         with harness.timed(device) as upd:
             metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
         upd_peak = {k: max(v, upd_peak.get(k, 0.0)) for k, v in _mem(device).items()}
-        steps.append(
-            {
-                "generation_s": round(gen.s, 2),
-                "update_s": round(upd.s, 2),
-                "new_tokens": sum(len(c.token_ids) for gr in groups for c in gr),
-                "skipped_step": metrics["skipped_step"],
-                "loss": metrics["loss"],
-                "kl_loss": metrics.get("kl_loss"),
-            }
-        )
-    opt_bytes = sum(
-        t.numel() * t.element_size()
-        for s in backend.optimizer.state.values()
-        for t in s.values()
-        if torch.is_tensor(t)
-    )
+        row = {"generation_s": round(gen.s, 2), "update_s": round(upd.s, 2)}
+        row["new_tokens"] = sum(len(c.token_ids) for gr in groups for c in gr)
+        steps.append(row | {k: metrics.get(k) for k in ("skipped_step", "loss", "kl_loss")})
     out: dict[str, Any] = {
         "layers": layers,
         "model_params": model_params,
         "model_gib": model_bytes / GIB,
         "adapter_params": sum(p.numel() for p in adapters),
-        "adapter_gib": adapter_bytes / GIB,
-        "adamw_state_gib": opt_bytes / GIB,
+        "adapter_gib": harness.nbytes(adapters) / GIB,
+        "adamw_state_gib": harness.nbytes(harness.state_tensors(backend.optimizer)) / GIB,
         "after_build": after_build,
         "peak_generation": gen_peak,
         "peak_update": upd_peak,
@@ -137,12 +113,7 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
 
 def fit(points: list[tuple[int, float]]) -> dict[str, float]:
     """Least squares ``peak = intercept + slope * layers``."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    intercept = my - slope * mx
+    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
     resid = max(abs(intercept + slope * x - y) for x, y in points)
     return {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
 
@@ -153,8 +124,7 @@ def child(layers: int) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t = time.perf_counter()
-    argv = [sys.executable, __file__, *sys.argv[1:], "--child", str(layers)]
-    result = harness.child_json(argv, check=False, env=env)
+    result = harness.rerun("--child", str(layers), check=False, env=env)
     if "error" in result:
         tail = result.pop("stderr_tail")[-6:]
         oom = any("OutOfMemoryError" in x or "out of memory" in x for x in tail)
@@ -168,8 +138,7 @@ def child(layers: int) -> dict[str, Any]:
 def main() -> None:
     ap = harness.parser(__doc__, work="/tmp/lora_memory")
     ap.add_argument("--skeleton", help="dir with an extracted vl/ + audio/ pair")
-    harness.add_options(ap, device="cuda")
-    ap.add_argument("--widths", choices=["real", "tiny"], default="real")
+    harness.add_options(ap, device="cuda", widths=("real", "tiny"))
     ap.add_argument("--layers", default="2,4,8", help="fit depths")
     ap.add_argument("--deep", type=int, default=released.LAYERS, help="0: no deep run")
     ap.add_argument("--deep-fallback", default="40,32,24", help="tried in order if --deep OOMs")
@@ -185,11 +154,10 @@ def main() -> None:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    if args.skeleton:
-        if not (work / "skeleton").exists():
-            shutil.copytree(args.skeleton, work / "skeleton")
-    else:
+    if not args.skeleton:
         released.make_skeleton(work / "skeleton")
+    elif not (work / "skeleton").exists():
+        shutil.copytree(args.skeleton, work / "skeleton")
     t0 = time.perf_counter()
     depths = [int(x) for x in args.layers.split(",") if x]
     runs = [child(d) for d in depths]
@@ -218,22 +186,13 @@ def main() -> None:
                 "measured_gib": deep["peak_step"][k],
                 "measured_over_projected": deep["peak_step"][k] / projected,
             }
-    config = {
-        "widths": args.widths,
-        "fit_layers": depths,
-        "prompts": args.prompts,
-        "group": args.group,
-        "samples_per_step": args.prompts * args.group,
-        "max_new_tokens": args.max_new_tokens,
-        "image_size": args.image_size,
-        "lora": {"rank": args.rank, "alpha": args.alpha, "targets": args.targets},
-        "gradient_checkpointing": not args.no_checkpointing,
-        "kl_coef": args.kl_coef,
-        "micro_batch_size": args.group,
-        "steps": args.steps,
-        "dtype": "bf16" if args.device == "cuda" else "fp32",
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
-    }
+    config = {k: vars(args)[k] for k in ("widths", "prompts", "group", "max_new_tokens")}
+    config |= {"fit_layers": depths, "samples_per_step": args.prompts * args.group}
+    config |= {k: vars(args)[k] for k in ("image_size", "kl_coef", "steps")}
+    config["lora"] = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets}
+    config["gradient_checkpointing"] = not args.no_checkpointing
+    config |= {"micro_batch_size": args.group, "dtype": "bf16" if args.device == "cuda" else "fp32"}
+    config["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     record = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "config": config,

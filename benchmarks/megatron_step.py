@@ -16,22 +16,13 @@ import statistics
 from typing import Any
 
 import harness
+import roofline
 import torch
 from released import ROPE, TEXT, VOCAB
 
 REAL = TEXT | {"norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6}
 REAL |= {"max_position_embeddings": 65536, "rope_parameters": ROPE}
 PEAK_BF16 = 989e12
-
-
-def forward_flops_per_token(layers: int, seq: int) -> float:
-    keys = "hidden_size num_attention_heads num_key_value_heads head_dim moe_intermediate_size"
-    h, heads, kv, d, ffn = (TEXT[k] for k in keys.split())
-    attn_proj = h * heads * d + 2 * h * kv * d + heads * d * h
-    experts = TEXT["num_experts_per_tok"] * 3 * h * ffn
-    router = h * TEXT["num_experts"]
-    per_layer = 2 * (attn_proj + experts + router) + 2 * 2 * heads * d * seq / 2  # causal QK^T + AV
-    return layers * per_layer + 2 * h * VOCAB
 
 
 def time_step(
@@ -87,7 +78,8 @@ def bench_step(
     iters = args.iters if impl == "grouped" else max(2, args.iters // 3)
     times = time_step(th, ids, pos, iters, warmup=2, loss=args.loss)
     med, tokens = statistics.median(times), args.batch * args.seq
-    flops = 3 * forward_flops_per_token(args.layers, args.seq) * tokens
+    sizes = roofline.text_sizes({"text_config": cfg}, 0, [])  # causal attention, all logits
+    flops = 3 * roofline.forward_flops(sizes, [args.seq] * args.batch, tokens)
     out = {
         "experts": impl,
         "loss": args.loss,
@@ -125,10 +117,7 @@ def bench_sync(state: Any, device: torch.device, bucket_mb: int) -> dict[str, An
     raw_broadcast(group, store, timed["bytes"], device, 2)
     raw = raw_broadcast(group, store, timed["bytes"], device, 3)
     proc.wait(timeout=300)
-    return {
-        "bytes": timed["bytes"],
-        "tensors": timed["tensors"],
-        "buckets": timed["buckets"],
+    return {k: timed[k] for k in ("bytes", "tensors", "buckets")} | {
         "bucket_mb": bucket_mb,
         "sync_s": timed["seconds"],
         "sync_gbps": timed["bytes"] / timed["seconds"] / 1e9,
@@ -144,7 +133,7 @@ def main() -> None:
     ap = harness.parser(__doc__, layers=4, batch=4, seq=2048, iters=6, bucket_mb=512)
     # --profile: a CUDA time per kernel of one grouped step; --big-batch 0: no big-batch run
     harness.add_options(ap, no_sync=False, profile=False, big_batch=8)
-    ap.add_argument("--loss", choices=["vocab_parallel", "chunked"], default="vocab_parallel")
+    harness.add_options(ap, loss=("vocab_parallel", "chunked"))
     args = ap.parse_args()
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -156,16 +145,10 @@ def main() -> None:
     limits = harness.device_limits(device)
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device),
-        "config": {
-            "layers": args.layers,
-            "batch": args.batch,
-            "seq": args.seq,
-            "hidden": TEXT["hidden_size"],
-            "experts": f"{TEXT['num_experts']} top-{TEXT['num_experts_per_tok']}",
-            "expert_ffn": TEXT["moe_intermediate_size"],
-            "vocab": VOCAB,
-            "dtype": "bf16",
-        },
+        "config": {k: vars(args)[k] for k in ("layers", "batch", "seq")}
+        | {"hidden": TEXT["hidden_size"], "expert_ffn": TEXT["moe_intermediate_size"]}
+        | {"experts": f"{TEXT['num_experts']} top-{TEXT['num_experts_per_tok']}"}
+        | {"vocab": VOCAB, "dtype": "bf16"},
         "matmul_8192_tflops": limits["matmul_flops_per_s"] / 1e12,
         "limits": limits,
     }

@@ -1,19 +1,15 @@
 """Throughput of rollouts overlapped with training (``rollout.max_staleness: 1``) as a ratio to the
-on-policy loop (``0``), pair by pair, on ``examples/tiny.yaml`` in this process: ``sglang`` (the
-fake server in its own process, its token delay calibrated so the on-policy rollout takes one
-train step), ``sglang_trainer_actor`` (the trainer as a Ray actor), ``sglang_trainer_pinned``
-(that actor alone on core 0; not by default) and ``ray`` (rollout actors, the answer budget
-calibrated). The case and the runs: docs/benchmarks.md, "Overlapped rollouts".
+on-policy loop (``0``) on ``examples/tiny.yaml``, per pair: ``sglang``, ``sglang_trainer_actor``,
+``sglang_trainer_pinned`` (not by default) and ``ray``: docs/benchmarks.md, "Overlapped rollouts".
 
     uv run python benchmarks/overlap.py [--steps 24] [--pairs sglang,sglang_trainer_actor,ray]
-        [--no-ray] [--work DIR] [--set trainer.device=cuda ...]
+        [--work DIR] [--set trainer.device=cuda ...]
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -137,17 +133,17 @@ def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
     """Core 0 for the trainer actor, the other cores for everything else (this driver, the fake,
     Ray's processes inherit this affinity): what separate hardware gives a real run; unpinned, on
     2 cores, the ratio is bimodal with where the scheduler puts the trainer. Linux only."""
+    from omni_grpo.testing.interrupts import actor_pid
+
     everything = os.sched_getaffinity(0)
     os.sched_setaffinity(0, everything - {0})
     done = threading.Event()
-    log = run_dir / "logs" / "trainer-0.log"
 
     def pin() -> None:
         while not done.is_set():
-            found = log.is_file() and re.search(r"trainer rank 0 pid (\d+)", log.read_text())
-            if found:
-                os.sched_setaffinity(int(found.group(1)), {0})
-                return
+            with contextlib.suppress(OSError, IndexError):  # no log, or no pid in it yet
+                pid = actor_pid(run_dir, "trainer-0.log", "trainer rank 0")
+                return os.sched_setaffinity(pid, {0})
             time.sleep(0.05)
 
     watcher = threading.Thread(target=pin, daemon=True)
@@ -183,13 +179,13 @@ def sglang_actor_pair(
     return out
 
 
-def ray_pair(
-    work: Path, steps: int, trainers: int, actors: int, extra: list[str]
-) -> dict[str, Any]:
+def ray_pair(work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
     """The embedded rollout actors, their answer budget CHOSEN so that the on-policy rollout
     takes one train step (on the recipe's <= 3 tokens it is about half of it: overlap could win
     ~1.45x at most). Two short on-policy runs at two budgets give the rollout's fixed cost and
-    its cost per token (the random policy's answers run to the budget)."""
+    its cost per token (the random policy's answers run to the budget). One trainer rank, one
+    rollout actor."""
+    trainers = actors = 1
 
     def on(name: str, staleness: int, n: int, tokens: int) -> dict[str, Any]:
         sets = [f"rollout.max_staleness={staleness}", f"trainer.world_size={trainers}"]
@@ -235,7 +231,6 @@ def ratios(pair: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = harness.parser(__doc__, steps=24, pairs="sglang,sglang_trainer_actor,ray", work=Path)
-    harness.add_options(ap, no_ray=False, ray_trainers=1, ray_actors=1)  # --no-ray: sglang only
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="for every run")
     args = ap.parse_args()
     extra = args.overrides  # e.g. trainer.device=cuda or trainer.backend=megatron
@@ -243,7 +238,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="overlap-bench-"))
     t0, load_before = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
     result: dict[str, Any] = {"benchmark": "overlap", "steps": args.steps, "overrides": extra}
-    pairs = {"sglang"} if args.no_ray else set(args.pairs.split(","))
+    pairs = set(args.pairs.split(","))
     sglang = sglang_pair(work, args.steps, extra, measure="sglang" in pairs)
     result["sglang"] = ratios(sglang) if "sglang" in pairs else sglang
     for name, pin in (("sglang_trainer_actor", False), ("sglang_trainer_pinned", True)):
@@ -251,9 +246,7 @@ def main() -> None:
             pair = sglang_actor_pair(work, args.steps, sglang["token_delay_s"], extra, pin)
             result[name] = ratios(pair)
     if "ray" in pairs:
-        result["ray"] = ratios(
-            ray_pair(work, args.steps, args.ray_trainers, args.ray_actors, extra)
-        )
+        result["ray"] = ratios(ray_pair(work, args.steps, extra))
     for pair in ("sglang", "sglang_trainer_actor", "sglang_trainer_pinned", "ray"):
         prefix = "" if pair == "sglang" else pair + "_"
         for key in ("ratio", "steady_ratio"):

@@ -1,9 +1,7 @@
 """Wire cost of /generate payloads: encode-once bf16 (omni_rollout_client) vs the original design.
 
-Per case (an image, 32- and 64-frame videos, 30 s of audio; tensor shapes as the processor makes
-them) and one GRPO group of requests: bytes per request, client CPU seconds per group and the
-server's decode seconds per request under sglang-omni 0.1.9's rules, for the original design (fp32,
-base64 and ``json.dumps`` per request), ours (bf16, encoded once) and ``ours_fp32``.
+Per case and GRPO group: bytes per request, client CPU per group, the server's decode per request
+for the original design, ours (bf16, encoded once) and ``ours_fp32``: docs/benchmarks.md.
 
     uv run python benchmarks/payload.py [--group 8] [--cases image,video32,video64,audio30s]
 """
@@ -106,7 +104,10 @@ def run_case(name: str, n: int, rng: np.random.Generator) -> dict[str, Any]:
     for key, t in mm.items():
         assert torch.equal(decoded[key], t), f"{name}: baseline round trip changed {key}"
     del base_bodies, decoded
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"baseline": {"bytes_per_request": base_bytes}}
+    results["baseline"] |= {"tensor_base64_bytes": base_tensor_bytes}
+    results["baseline"] |= {"client_cpu_s_per_group": round(base_cpu, 4)}
+    results["baseline"] |= {"server_decode_s_per_request": round(base_decode, 4)}
     for label, bf16 in (("ours", True), ("ours_fp32", False)):
         our_cpu, (prompt, bodies) = cpu(lambda bf16=bf16: ours_group(ids, mm, n, bf16))
         joined = b"".join(bodies[0])  # what arrives at the server
@@ -120,27 +121,20 @@ def run_case(name: str, n: int, rng: np.random.Generator) -> dict[str, Any]:
             "server_decode_s_per_request": round(our_decode, 4),
         }
         del bodies, joined, decoded, prompt
-    ours = results["ours"]
+    ours, base = results["ours"], results["baseline"]
+
+    def ratio(key: str, baseline_over_ours: bool, places: int) -> float:
+        a, b = (base[key], max(ours[key], 1e-9)) if baseline_over_ours else (ours[key], base[key])
+        return round(a / b, places)
+
     return {
         "tensor_shapes": {k: list(v.shape) for k, v in mm.items()},
         "prompt_tokens": len(ids),
-        "baseline": {
-            "bytes_per_request": base_bytes,
-            "tensor_base64_bytes": base_tensor_bytes,
-            "client_cpu_s_per_group": round(base_cpu, 4),
-            "server_decode_s_per_request": round(base_decode, 4),
-        },
         **results,
-        "client_cpu_ratio_baseline_over_ours": round(
-            base_cpu / max(ours["client_cpu_s_per_group"], 1e-9), 2
-        ),
-        "bytes_ratio_ours_over_baseline": round(ours["bytes_per_request"] / base_bytes, 5),
-        "tensor_bytes_ratio_ours_over_baseline": round(
-            ours["tensor_base64_bytes"] / base_tensor_bytes, 5
-        ),
-        "server_decode_ratio_baseline_over_ours": round(
-            base_decode / max(ours["server_decode_s_per_request"], 1e-9), 2
-        ),
+        "client_cpu_ratio_baseline_over_ours": ratio("client_cpu_s_per_group", True, 2),
+        "bytes_ratio_ours_over_baseline": ratio("bytes_per_request", False, 5),
+        "tensor_bytes_ratio_ours_over_baseline": ratio("tensor_base64_bytes", False, 5),
+        "server_decode_ratio_baseline_over_ours": ratio("server_decode_s_per_request", True, 2),
     }
 
 

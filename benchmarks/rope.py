@@ -75,10 +75,8 @@ def main() -> None:
         assert torch.equal(dpos, rpos) and torch.equal(ddelta, rdelta), "on-device results differ"
         extra = {"omni_rope_on_device_ms": round(min(t_dev) * 1e3, 3)}
     best, med = (min(t_ours), min(t_ref)), (statistics.median(t_ours), statistics.median(t_ref))
-    record = {
-        "device": args.device,
-        "torch_threads": torch.get_num_threads(),
-        "batch": args.batch,
+    record = {"device": args.device, "torch_threads": torch.get_num_threads(), "batch": args.batch}
+    record |= {
         "seq_len": ids.shape[1],
         "video_tokens_per_row": int((ids[0] == config.video_token_id).sum()),
         "audio_tokens_per_row": int((ids[0] == config.audio_token_id).sum()),

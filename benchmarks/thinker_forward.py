@@ -52,17 +52,11 @@ def main() -> None:
             ours_logits = thinker(**batch, use_audio_in_video=True).logits
             ref_logits = ref(**batch, use_audio_in_video=True).logits
             diff = (ours_logits - ref_logits)[batch["attention_mask"].bool()].abs().max().item()
-            ours, base = (
-                harness.seconds(
-                    partial(m, **batch, use_audio_in_video=True), args.repeats, args.device
-                )
-                for m in (thinker, ref)
-            )
+            forwards = [partial(m, **batch, use_audio_in_video=True) for m in (thinker, ref)]
+            ours, base = (harness.seconds(f, args.repeats, args.device) for f in forwards)
     ms = {k: (min(t) * 1e3, statistics.median(t) * 1e3) for k, t in (("o", ours), ("b", base))}
-    record = {
-        "device": args.device,
-        "threads": torch.get_num_threads(),
-        "batch": args.batch,
+    record = {"device": args.device, "threads": torch.get_num_threads(), "batch": args.batch}
+    record |= {
         "seq_len": int(batch["input_ids"].shape[1]),
         "max_abs_logit_diff": diff,
         "ours_ms_best": round(ms["o"][0], 3),

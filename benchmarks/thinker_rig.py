@@ -1,11 +1,7 @@
 """The released thinker drawn in device memory, its prompts and its engine: the one-GPU rig.
 
-``lora_memory``, ``one_gpu_thinker`` and ``exact_logprobs`` measure the real trainer and engine on
-the released architecture. No checkpoint is reachable offline, and the 48-layer model is ~63 GB,
-so the weights are drawn at random directly on the device (nothing is written to disk) beside a
-weightless ``vl`` directory (the skeleton's tokenizer, processor and sideband at the real widths,
-``released.py``) and wrapped as the trainer wraps a loaded checkpoint. Media are synthetic:
-decoding them is not what is measured.
+Random weights at the released widths (``released.py``) drawn directly on the device beside a
+weightless ``vl`` directory, wrapped as the trainer wraps a loaded checkpoint; synthetic media.
 """
 
 from __future__ import annotations
@@ -112,18 +108,20 @@ def thinker_at(
     return wrap_vl(vl, vl_dir, audio_dir=skeleton / "audio", freeze_visual=True)
 
 
+def colour_field(size: int, i: int, n: int) -> np.ndarray:
+    """Frame ``i`` of ``n``: a smooth uint8 RGB colour field (not constant: the towers see pixels)."""
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    return (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8)
+
+
 def write_images(root: Path, n: int, size: int) -> list[Path]:
-    """``n`` smooth colour-field PNGs (not constant: the vision tower sees real pixels)."""
+    """``n`` :func:`colour_field` PNGs."""
     from PIL import Image
 
     root.mkdir(parents=True, exist_ok=True)
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    paths = []
     for i in range(n):
-        rgb = np.stack([xx, yy, (xx + yy + i / n) % 1], -1)
-        paths.append(root / f"image{i}.png")
-        Image.fromarray((rgb * 255).astype(np.uint8)).save(paths[-1])
-    return paths
+        Image.fromarray(colour_field(size, i, n)).save(root / f"image{i}.png")
+    return [root / f"image{i}.png" for i in range(n)]
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
@@ -143,16 +141,11 @@ def synthetic_media(args: argparse.Namespace) -> Any:
         return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
 
     def video(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
-        n, size = args.video_frames, args.video_size
-        yy, xx = np.mgrid[0:size, 0:size] / size
-        frames = [
-            (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8) for i in range(n)
-        ]
-        return VideoClip(frames=np.stack(frames), fps=fps)
+        n = args.video_frames
+        return VideoClip(np.stack([colour_field(args.video_size, i, n) for i in range(n)]), fps)
 
-    prompt_mod.load_audio = audio
+    prompt_mod.load_audio, prompt_mod.load_video = audio, video
     prompt_mod.load_video_audio = audio  # a video's own sound track (use_audio_in_video)
-    prompt_mod.load_video = video
     return DataConfig(
         image_max_pixels=args.image_size**2,
         audio_max_seconds=args.audio_seconds,
@@ -209,9 +202,11 @@ def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
     return eos, int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
 
 
-def engine(thinker: Any, eos: list[int], device: torch.device, tok: Any = None, **kw: Any) -> Any:
-    """The embedded engine with no stop token, the end-of-turn and media ids banned; bf16
-    autocast on CUDA; ``tok`` decodes the completions' text."""
+def engine(
+    thinker: Any, eos: list, device: torch.device, tok: Any = None, stop: bool = False, **kw: Any
+) -> Any:
+    """The embedded engine with the media ids banned and the end-of-turn ids too (``stop``: they
+    end a sample instead); bf16 autocast on CUDA; ``tok`` decodes the completions' text."""
     from omni_grpo.models.sideband import media_token_ids
     from omni_grpo.rollout.embedded import EmbeddedEngine
 
@@ -219,10 +214,10 @@ def engine(thinker: Any, eos: list[int], device: torch.device, tok: Any = None, 
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
     return EmbeddedEngine(
         thinker,
-        [],
+        eos if stop else [],
         device=device,
         autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        banned_token_ids=media_token_ids(thinker) + eos,
+        banned_token_ids=media_token_ids(thinker) + ([] if stop else eos),
         **kw,
     )
 

@@ -20,7 +20,6 @@ import os
 import pickle
 import shutil
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,23 +62,16 @@ def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> P
 
 
 def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One image (PNG) or video (frames as .npy) per prompt; smooth colour fields, not zeros."""
+    """One image per prompt (``thinker_rig.write_images``), or those frames rolled sideways as a
+    video (.npy: decoded frames)."""
     from PIL import Image
 
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    size = args.image_size if args.media == "image" else args.video_size
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    for i in range(args.prompts):
-        rgb = np.stack([xx, yy, (xx + yy + i / args.prompts) % 1], -1)
-        path = root / f"{args.media}{i}.{'png' if args.media == 'image' else 'npy'}"
-        if args.media == "image":
-            Image.fromarray((rgb * 255).astype(np.uint8)).save(path)
-        else:
-            frames = np.stack([np.roll(rgb, t * 4, axis=1) for t in range(args.frames)])
-            np.save(path, (frames * 255).astype(np.uint8))
-        rows.append({"id": f"p{i}", "path": str(path), "text": f"Question {i}. {QUESTION}"})
-    return rows
+    paths = rig.write_images(root, args.prompts, getattr(args, f"{args.media}_size"))
+    for i, image in enumerate(paths if args.media == "video" else []):
+        frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
+        np.save(paths[i], np.stack([np.roll(frame, t * 4, axis=1) for t in range(args.frames)]))
+    text = [f"Question {i}. {QUESTION}" for i in range(args.prompts)]
+    return [{"id": f"p{i}", "path": str(p), "text": text[i]} for i, p in enumerate(paths)]
 
 
 # ------------------------------------------------------------------------------------- ours
@@ -91,8 +83,6 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     from omni_grpo.data.media import VideoClip
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.models import load_thinker
-    from omni_grpo.rollout.embedded import EmbeddedEngine
-    from omni_grpo.trainer import media_token_ids
     from omni_grpo.types import GRPOBatch, Sample
 
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
@@ -110,14 +100,8 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     cfg = TrainerConfig(device=dev, lr=args.lr, micro_batch_size=args.group, max_grad_norm=1.0)
     algo = AlgoConfig(loss_agg="token", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)
     backend = TorchBackend(model, cfg, algo, pad_token_id=int(tok.pad_token_id))
-    engine = EmbeddedEngine(
-        model,
-        [int(tok.convert_tokens_to_ids("<|im_end|>"))],
-        device=torch.device(dev),
-        autocast_dtype=torch.bfloat16 if cuda else None,
-        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        banned_token_ids=media_token_ids(model),
-    )
+    im_end = [int(tok.convert_tokens_to_ids("<|im_end|>"))]
+    engine = rig.engine(model, im_end, torch.device(dev), tok, stop=True)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     torch.manual_seed(args.seed)
     ends, tokens, diffs, gen_s = [harness.now(dev)], [], [], []
@@ -208,11 +192,10 @@ def run_trl(
         return [reward_text(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
 
     class StepEnds(tf.TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            ends.append(harness.now(device))
-
         def on_step_end(self, *a: Any, **k: Any) -> None:
             ends.append(harness.now(device))
+
+        on_train_begin = on_step_end
 
     config = GRPOConfig(
         output_dir=str(Path(args.work) / "trl_out"),
@@ -272,9 +255,7 @@ def main() -> None:
     ap = harness.parser(__doc__, work="/tmp/vs_trl", skeleton=str, device="cuda", layers=4)
     harness.add_options(ap, image_size=448, video_size=224, frames=8, fps=2.0, prompts=4, group=8)
     harness.add_options(ap, max_new_tokens=256, lr=1e-6, steps=4, warmup=1, seed=0)
-    ap.add_argument("--widths", choices=["real", "tiny"], default="real")
-    ap.add_argument("--media", choices=["image", "video"], default="image")
-    ap.add_argument("--sides", default="ours,trl", help="comma list of ours, trl")
+    harness.add_options(ap, widths=("real", "tiny"), media=("image", "video"), sides="ours,trl")
     ap.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(4)
@@ -296,26 +277,19 @@ def main() -> None:
             shutil.copytree(skeleton / "audio", audio)
         (work / f"rows-{args.media}.json").write_text(json.dumps(write_media(work / "media", args)))
     # each side in its own process: its peak memory is its own
-    argv = [sys.executable, __file__, *sys.argv[1:], "--side"]
-    sides = {s: harness.child_json([*argv, s], check=False) for s in args.sides.split(",") if s}
+    sides = {s: harness.rerun("--side", s, check=False) for s in args.sides.split(",") if s}
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "config": {
-            "layers": args.layers,
-            "widths": args.widths,
-            "media": args.media,
-            "image_size": args.image_size,
-            "frames": args.frames if args.media == "video" else None,
-            "prompts_per_step": args.prompts,
-            "group_size": args.group,
-            "samples_per_step": args.prompts * args.group,
-            "max_new_tokens": args.max_new_tokens,
+        "config": {k: vars(args)[k] for k in ("layers", "widths", "media", "image_size")}
+        | {"frames": args.frames if args.media == "video" else None}
+        | {"prompts_per_step": args.prompts, "group_size": args.group}
+        | {"samples_per_step": args.prompts * args.group, "max_new_tokens": args.max_new_tokens}
+        | {
             "lr": args.lr,
             "loss": "token-mean over the step (ours loss_agg=token, TRL loss_type=dapo)",
-            "steps_timed": args.steps,
-            "warmup_steps": args.warmup,
-            "dtype": "bf16" if args.device == "cuda" else "fp32",
-        },
+        }
+        | {"steps_timed": args.steps, "warmup_steps": args.warmup}
+        | {"dtype": "bf16" if args.device == "cuda" else "fp32"},
         "prepare_s": prep.s,
         **sides,
     }

@@ -1,9 +1,7 @@
 """Distributed weight sync overhead: ``DistributedWeightSync.push`` vs a raw broadcast of the same bytes.
 
-One receiver process (the server side of the protocol), a synthetic pseudo-VL text model of
-``--mb`` MiB, the same buckets: ``push`` through the fake server (HTTP, name map, transposes)
-against broadcasting the tensors already in server layout. NCCL between two GPUs when there are
-two, else gloo. ``ratio`` = ours / baseline bandwidth (issue 8 target: >= 0.8), best of each.
+A synthetic pseudo-VL text model of ``--mb`` MiB into one receiver process: docs/benchmarks.md,
+"Methods". ``ratio`` = ours / baseline bandwidth (issue 8 target: >= 0.8), best of each.
 
     uv run python benchmarks/weight_sync.py [--mb 256] [--bucket-mb 64] [--repeats 3]
 """
@@ -40,7 +38,7 @@ def synthetic_state(mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     top[lm + "norm.weight"] = (h,)
     state = {k: (torch.randn(*s, generator=g) * 0.02).to(dtype) for k, s in top.items()}
     layer = 0
-    while sum(t.numel() * t.element_size() for t in state.values()) < mb << 20:
+    while harness.nbytes(state.values()) < mb << 20:
         for k, s in shapes.items():
             state[f"{lm}layers.{layer}.{k}"] = (torch.randn(*s, generator=g) * 0.02).to(dtype)
         layer += 1
@@ -81,9 +79,8 @@ def raw_broadcast(
 
 
 def main() -> None:
-    ap = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3)
-    two_gpus = torch.cuda.device_count() >= 2
-    ap.add_argument("--backend", choices=["gloo", "nccl"], default="nccl" if two_gpus else "gloo")
+    backends = ("nccl", "gloo") if torch.cuda.device_count() >= 2 else ("gloo", "nccl")
+    ap = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3, backend=backends)
     args = ap.parse_args()
     from omni_extract.names import to_server_tensors
     from omni_grpo.config import SglangOmniConfig
@@ -94,7 +91,7 @@ def main() -> None:
     mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
     device = "cuda:0" if args.backend == "nccl" else "cpu"
     state = {k: v.to(device) for k, v in synthetic_state(args.mb, torch.bfloat16).items()}
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    nbytes = harness.nbytes(state.values())
     bucket_bytes = args.bucket_mb << 20
     server_tensors = list(to_server_tensors(state.items(), "hf_memory"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,10 +118,8 @@ def main() -> None:
                 sync.close()
         assert not rx.errors, rx.errors
     best_raw, best_ours = min(raw), min(ours)
-    record = {
-        "backend": args.backend,
-        "bytes": nbytes,
-        "tensors": report.tensors,
+    record = {"backend": args.backend, "bytes": nbytes, "tensors": report.tensors}
+    record |= {
         "buckets": report.buckets,
         "bucket_mb": args.bucket_mb,
         "baseline_raw_broadcast_s": best_raw,
