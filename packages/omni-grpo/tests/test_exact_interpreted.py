@@ -26,6 +26,53 @@ interpreted = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _patch_the_language_once_per_launch() -> Any:
+    """Triton's interpreter (3.x) re-patches ``triton.language`` at every call of a ``@jit``
+    helper inside a kernel (``tl.sum``, ``tl.max``, ...: one per program and call), walking the
+    modules with ``inspect.getmembers`` each time: a third of this module's run (~7 minutes
+    on 2 cores). Within one launch the modules are already patched by the launch itself or by an
+    earlier helper, and patching is stateless (the same wrappers again), so a helper whose
+    language modules this launch patched already skips it. The kernels' arithmetic, the
+    numpy ops and the patched state are exactly those of the unmodified interpreter; with a
+    Triton whose interpreter lacks these names nothing is changed."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter as itp
+
+    needed = ("_patch_lang", "_LangPatchScope", "GridExecutor")
+    if not all(hasattr(itp, name) for name in needed):
+        yield
+        return
+    original, launch = itp._patch_lang, itp.GridExecutor.__call__
+    patched: list[set[int]] = []  # the language modules patched in the running launch
+
+    def patch_lang(fn: Any) -> Any:
+        langs = {
+            id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
+        }
+        if patched and langs and langs <= patched[-1]:
+            return itp._LangPatchScope()  # nothing to undo: nothing was changed
+        scope = original(fn)
+        if patched:
+            patched[-1] |= langs
+        return scope
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    itp._patch_lang, itp.GridExecutor.__call__ = patch_lang, call
+    try:
+        yield
+    finally:
+        itp._patch_lang, itp.GridExecutor.__call__ = original, launch
+
+
 # ---------------------------------------------------------------------- kernels (interpreter)
 @interpreted
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 40), (70, 96, 130), (130, 17, 8)])
