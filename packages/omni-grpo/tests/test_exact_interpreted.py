@@ -109,6 +109,7 @@ def test_split_k_matmul_matches_torch(m: int, k: int, n: int) -> None:
 def test_topk_sum_matches_the_weighted_sum_and_its_gradient() -> None:
     from omni_grpo.exact.combine import topk_sum
 
+    torch.manual_seed(0)
     p = torch.randn(37, 3, 300, requires_grad=True)
     w = torch.rand(37, 3, requires_grad=True)
     out = topk_sum(p, w, torch.float32)
@@ -118,7 +119,10 @@ def test_topk_sum_matches_the_weighted_sum_and_its_gradient() -> None:
     for a, e in zip(
         torch.autograd.grad(out, (p, w), g), torch.autograd.grad(ref, (p, w), g), strict=True
     ):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        # w's gradient is a 300-term fp32 dot product summed in another order than torch's:
+        # ~300 * 2^-24 * sum |g p| (~250) ~ 4e-3 at worst, ~1e-5 typically (1.18e-5 was seen
+        # once unseeded); a wrong weight or row is off by O(1)
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
 
 
 @interpreted
