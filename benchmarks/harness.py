@@ -53,7 +53,12 @@ GIB = 1 << 30
 def parser(doc: str | None, **options: Any) -> argparse.ArgumentParser:
     """The script's docstring's first paragraph, ``--save MACHINE`` and :func:`add_options`."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    ap.add_argument("--save", metavar="MACHINE", help="also write benchmarks/results/NAME_MACHINE")
+    ap.add_argument(
+        "--save",
+        metavar="MACHINE",
+        type=machine_name,
+        help="also write benchmarks/results/NAME_MACHINE.json",
+    )
     return add_options(ap, **options)
 
 
@@ -76,6 +81,17 @@ def add_options(ap: argparse.ArgumentParser, **options: Any) -> argparse.Argumen
     return ap
 
 
+def machine_name(text: str) -> str:
+    """``--save``'s value: a name for the results file (``h200``), refused at parse time if it
+    is a path, rather than after a long run that then cannot write its result."""
+    if not text or "/" in text or text.endswith(".json"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a path; --save takes a machine name (h200): the result goes to "
+            "benchmarks/results/NAME_MACHINE.json (redirect stdout for a file elsewhere)"
+        )
+    return text
+
+
 def results_path(name: str, machine: str) -> Path:
     """``benchmarks/results/<name>_<machine>.json``: what ran, then where (``h200``)."""
     return REPO / "benchmarks" / "results" / f"{name}_{machine}.json"
@@ -86,9 +102,9 @@ def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
     ``versions`` (its own entries win) added; with ``save`` also as the results file."""
     out = {"benchmark": name, **record}
     out["versions"] = versions() | (out.get("versions") or {})
+    print(json.dumps(out), flush=True)  # first: a failed save does not lose the result
     if save:
         results_path(name, save).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out), flush=True)
 
 
 # ------------------------------------------------------------------------------------ clocks
