@@ -43,6 +43,7 @@ from omni_grpo.models.decode_step import (
     SlotCache,
     free_device_bytes,
     layer_tensors,
+    prefill_forward,
     sample_step,
 )
 
@@ -448,15 +449,7 @@ def prefill_all(
     thinker: OmniThinker, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: Any
 ) -> Prefilled:
     """One prefill forward over every (left-padded) prompt; its cache kept as the slots' source."""
-    out = thinker(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        use_cache=True,
-        logits_to_keep=1,
-        **media,
-    )
-    cache = getattr(out, "cache", None)
-    cache = cache if cache is not None else out.past_key_values
+    logits, cache = prefill_forward(thinker, input_ids, attention_mask, **media)
     layer_kv = layer_tensors(cache)
     deltas = thinker.rope_deltas.to(input_ids.device).reshape(-1)
     valid = attention_mask.long().sum(-1)
@@ -466,5 +459,5 @@ def prefill_all(
         mask=attention_mask.bool(),
         pos0=(valid + deltas).long(),  # rope deltas are whole numbers (float in some releases)
         start=(attention_mask.shape[1] - valid).to(torch.int32),
-        logits=out.logits[:, -1, :].float(),
+        logits=logits.float(),
     )

@@ -163,6 +163,22 @@ def kv_cache_bytes(
     return sum(2 * rows * k.shape[1] * tokens * k.shape[3] * k.element_size() for k, _ in layer_kv)
 
 
+def prefill_forward(
+    thinker: OmniThinker, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: Any
+) -> tuple[torch.Tensor, Any]:
+    """The prompts' one forward with a cache (media towers included): the next-token logits
+    ``[B, V]`` and the cache, which both decoders start from."""
+    out = thinker(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        logits_to_keep=1,
+        **media,
+    )
+    cache = getattr(out, "cache", None)
+    return out.logits[:, -1, :], cache if cache is not None else out.past_key_values
+
+
 def free_device_bytes(device: torch.device) -> int:
     """Free memory of a CUDA device, counting what the caching allocator holds but does not use."""
     free, _ = torch.cuda.mem_get_info(device)

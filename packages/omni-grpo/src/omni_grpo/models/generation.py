@@ -42,6 +42,7 @@ from omni_grpo.models.decode_step import (  # noqa: F401  (the sampler's public 
     free_device_bytes,
     kv_cache_bytes,
     layer_tensors,
+    prefill_forward,
     sample_step,
     sampler_logprobs,
 )
@@ -328,20 +329,12 @@ def _decode_static(
     pad_token_id: int,
 ) -> GenerationResult:
     """One prefill, then ``StaticDecoder`` steps until every row ended (its stop token or limit)."""
-    out = thinker(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        use_cache=True,
-        logits_to_keep=1,
-        **media,
-    )
-    first = sample_step(out.logits[:, -1, :].repeat_interleave(repeats, 0), **sample)
-    cache = getattr(out, "cache", None)
-    cache = cache if cache is not None else out.past_key_values
+    logits, cache = prefill_forward(thinker, input_ids, attention_mask, **media)
+    first = sample_step(logits.repeat_interleave(repeats, 0), **sample)
     decoder = StaticDecoder(
         thinker, cache, attention_mask, first, max_new_tokens, sample, repeats=repeats
     )
-    del out, cache
+    del logits, cache
     steps = 1  # tokens recorded so far
     with decode_attention(decoder.layers):
         if cuda_graph and max_new_tokens > 3:
