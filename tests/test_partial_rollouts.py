@@ -142,25 +142,11 @@ def test_config_refuses_groups_in_flight_where_they_cannot_run() -> None:
 def test_engine_continues_groups_after_the_first_ended(world):
     """The engine level: one call stops once group 0 ended (groups 1 and 2 mid-sample), a
     second call finishes them; the same samples as one call decoding everything."""
-    from omni_grpo.rollout.partial import GroupInFlight, SampleInFlight
+    from omni_grpo.testing.partial_rollouts import continued_and_one_go
 
     thinker, prompts, pad = world
     engine = EmbeddedEngine(thinker, [pad], batching="continuous", max_batch_rows=5)
     sampling = SamplingParams(temperature=0.9, max_new_tokens=40)
-    limits = [[2, 3, 4, 5], [38, 3, 3, 3], [34, 2, 2, 2]]
-
-    def groups():
-        return [
-            GroupInFlight(p, [SampleInFlight(key=10 * g + j, limit=n) for j, n in enumerate(ls)])
-            for g, (p, ls) in enumerate(zip(prompts[:3], limits, strict=True))
-        ]
-
-    split, once = groups(), groups()
-    engine.continue_groups(split, 1, sampling)
-    assert split[0].done and not split[1].done and split[1].samples[0].token_ids
-    engine.continue_groups(split, 3, sampling)
-    engine.continue_groups(once, 3, sampling)
-    for a, b in zip(split, once, strict=True):
-        for x, y in zip(a.samples, b.samples, strict=True):
-            assert len(x.token_ids) == x.limit and x.token_ids == y.token_ids
-            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) <= TOL
+    for x, y in continued_and_one_go(engine, prompts, sampling):
+        assert len(x.token_ids) == x.limit and x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) <= TOL

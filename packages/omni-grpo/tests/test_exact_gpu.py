@@ -172,7 +172,7 @@ def test_partial_rollouts_continue_bitwise(world: dict[str, Any]) -> None:
     decoded in one call."""
     from omni_grpo.exact import enable_exact_logprobs
     from omni_grpo.rollout.embedded import EmbeddedEngine
-    from omni_grpo.rollout.partial import GroupInFlight, SampleInFlight
+    from omni_grpo.testing.partial_rollouts import continued_and_one_go
     from omni_grpo.trainer import media_token_ids
     from omni_grpo.types import SamplingParams
 
@@ -188,20 +188,6 @@ def test_partial_rollouts_continue_bitwise(world: dict[str, Any]) -> None:
         max_batch_rows=5,
     )
     sampling = SamplingParams(max_new_tokens=40)
-    limits = [[2, 3, 4, 5], [38, 3, 3, 3], [34, 2, 2, 2]]  # group 0 ends first
-
-    def groups() -> list[GroupInFlight]:
-        return [
-            GroupInFlight(p, [SampleInFlight(key=10 * g + j, limit=n) for j, n in enumerate(ls)])
-            for g, (p, ls) in enumerate(zip(world["prompts"], limits, strict=True))
-        ]
-
-    split, once = groups(), groups()
-    engine.continue_groups(split, 1, sampling)
-    assert split[0].done and not split[1].done and split[1].samples[0].token_ids
-    engine.continue_groups(split, 3, sampling)
-    engine.continue_groups(once, 3, sampling)
-    for a, b in zip(split, once, strict=True):
-        for x, y in zip(a.samples, b.samples, strict=True):
-            assert len(x.token_ids) == x.limit
-            assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+    for x, y in continued_and_one_go(engine, world["prompts"], sampling):
+        assert len(x.token_ids) == x.limit
+        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
