@@ -83,7 +83,6 @@ class PartialRollouts:
                 s.call = self.calls
         running = [(g, s) for g in groups for s in g.samples if s.reason is None]
         starts = [len(s.token_ids) for _, s in running]
-        before = sum(len(s.token_ids) for g in groups for s in g.samples)
         self.engine.continue_groups(groups, len(prompts), sampling)
         self._record_rows(running, starts)
         taken = [g for g in groups if g.done][: len(prompts)]
@@ -92,7 +91,7 @@ class PartialRollouts:
         out = [[self._completion(g.prompt, s) for s in g.samples] for g in taken]
         tokens = [c for group in out for c in group]
         self.last_stats = {
-            "generated_tokens": sum(len(s.token_ids) for g in groups for s in g.samples) - before,
+            "generated_tokens": sum(drawn for _, drawn in self.last_rows),
             "trained_tokens": sum(len(c.token_ids) for c in tokens),
             "stale_token_frac": sum(c.stale_tokens for c in tokens)
             / max(1, sum(len(c.token_ids) for c in tokens)),
