@@ -102,3 +102,48 @@ def test_resume_without_checkpoint_starts_fresh(
     result = train(cfg, resume=True, progress=False)
     assert result.steps == 1
     assert "no checkpoint" in caplog.text
+
+
+class _Rows:
+    """A dataset whose odd rows cannot be loaded (skipped, counted), recording the load thread."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.skipped, self.threads = size, 0, set()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def load(self, index: int) -> int | None:
+        import threading
+
+        self.threads.add(threading.current_thread().name)
+        if index % 2:
+            self.skipped += 1
+            return None
+        return index
+
+
+@pytest.mark.parametrize("ahead", [0, 3])
+def test_prompt_stream_loads_ahead_in_the_samplers_order(ahead: int) -> None:
+    """Loading ahead changes nothing a run sees: the same prompts in the same order, the cursor
+    after the last prompt taken (not after the prefetched ones), every skipped row counted."""
+    from omni_grpo.loop.data_order import PromptStream, next_prompts
+
+    ref_rows, ref = _Rows(9), EpochSampler(9, seed=5)
+    want = [next_prompts(ref_rows, ref, k) for k in (2, 3, 2)]  # type: ignore[arg-type]
+    rows, sampler = _Rows(9), EpochSampler(9, seed=5)
+    stream = PromptStream(rows, sampler, ahead=ahead)  # type: ignore[arg-type]
+    got, cursors = [], []
+    for k in (2, 3, 2):
+        got.append(stream.take(k))
+        cursors.append(stream.cursor)
+    assert got == want
+    assert stream.cursor == ref.cursor  # a resume redraws what was loaded ahead
+    again = EpochSampler(9, seed=5, cursor=cursors[0])
+    assert next_prompts(_Rows(9), again, 3) == want[1]  # type: ignore[arg-type]
+    stream.close()
+    if ahead:
+        assert rows.skipped >= ref_rows.skipped  # the prefetched rows' skips are counted too
+        assert any(t.startswith("omni-grpo-prompts") for t in rows.threads)
+    else:
+        assert rows.skipped == ref_rows.skipped and rows.threads == {"MainThread"}

@@ -440,7 +440,7 @@ def open_run_dir(
     run_dir.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(run_temp_parents(cfg, run_dir))
     store_run_config(cfg, run_dir)  # export and humans read the run's base and settings from it
-    configure_threads()
+    configure_threads(cfg.trainer.device)
     return fingerprint
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_grpo.loop.data_order import EpochSampler, next_prompts
+from omni_grpo.loop.data_order import EpochSampler, PromptStream
 from omni_grpo.rollout.overlap import AheadEngine
 
 if TYPE_CHECKING:
@@ -45,14 +45,16 @@ class RolloutBatches:
         extra_groups: int = 0,
     ) -> None:
         self.dataset = dataset
-        self.sampler = sampler
+        self.sampler = sampler  # read directly only before the first step (the warm-up)
+        # the next step's prompts load while this step generates and trains
+        self.prompts = PromptStream(dataset, sampler, ahead=prompts_per_step)
         if extra_groups:  # partial rollouts: groups in flight, topped up from the same stream
             from omni_grpo.rollout.partial import PartialRollouts
 
             engine = PartialRollouts(
                 engine,  # type: ignore[arg-type]
                 extra_groups,
-                lambda k: next_prompts(dataset, sampler, k),
+                self.prompts.take,
             )
         self.engine = engine
         self.prompts_per_step = prompts_per_step
@@ -63,7 +65,7 @@ class RolloutBatches:
         self._in_flight: Future[list[list[Completion]]] | None = None
 
     def _draw(self) -> list[PromptInputs]:
-        return next_prompts(self.dataset, self.sampler, self.prompts_per_step)
+        return self.prompts.take(self.prompts_per_step)
 
     def take(self, more: bool) -> list[list[Completion]]:
         """This step's groups. With the overlap on and ``more`` steps to come, the next step's
@@ -72,11 +74,11 @@ class RolloutBatches:
             groups = self.engine.generate(self._draw(), self.n_samples, self.sampling)
         else:
             groups = self._in_flight.result()
-        self.trained_cursor = self.sampler.cursor
+        self.trained_cursor = self.prompts.cursor
         self._in_flight = None
         if self.ahead is not None and more:
             # The worker draws the prompts too: loading is rollout work, not the trainer's. The
-            # sampler is not touched here again until the batch is in.
+            # prompt stream is not touched here again until the batch is in.
             self._in_flight = self.ahead.submit(self._draw, self.n_samples, self.sampling)
         return groups
 
@@ -89,3 +91,4 @@ class RolloutBatches:
         """Stop the overlap's worker thread (an in-flight batch is cut short where it can be)."""
         if self.ahead is not None:
             self.ahead.close()
+        self.prompts.close()

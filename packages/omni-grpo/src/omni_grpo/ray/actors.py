@@ -116,7 +116,7 @@ class TrainerActor:
         from omni_grpo.run.process import configure_threads, seed_everything
 
         os.environ.update(env)
-        configure_threads()
+        configure_threads(self.cfg.trainer.device)
         device = resolve_device(self.cfg.trainer.device)
         if device.type == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
@@ -264,7 +264,7 @@ class RolloutActor:
         from omni_grpo.rollout.embedded import EmbeddedEngine, resolve_batching
         from omni_grpo.run.process import configure_threads
 
-        configure_threads()
+        configure_threads(self.cfg.trainer.device)
         m = self.cfg.model
         device = resolve_device(self.cfg.trainer.device)
         policy = load_thinker(
