@@ -167,6 +167,50 @@ def test_noise_is_a_function_of_row_and_index():
     assert abs(float(many.mean()) - 1.0) < 0.02
 
 
+_NOISE_CHECK = """
+import torch
+from omni_grpo.models.continuous import keyed_noise_torch
+from omni_grpo.models.noise_kernel import keyed_noise
+
+base = torch.tensor([0, 1, 2**32 - 1, 123456789, 2**31], dtype=torch.long)
+for vocab in (50, 4096, 5000):
+    got, want = keyed_noise(base, vocab), keyed_noise_torch(base, vocab)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    # the same hash bits: -log of the same uniform, up to the two logs' last bits (a wrong hash
+    # bit moves a draw by O(1))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+print("ok")
+"""
+
+
+def test_the_noise_kernel_draws_the_torch_hash_in_the_interpreter():
+    """The CUDA path's one-kernel noise (``models.noise_kernel``) in Triton's interpreter: the
+    torch function's values for keys at the 32-bit edges and for vocabularies across blocks."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", _NOISE_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0 and res.stdout.split()[-1] == "ok", res.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_the_noise_kernel_draws_the_torch_hash_on_the_gpu():
+    """The same on the device, at the released vocabulary; the kernel is what the decoder runs."""
+    from omni_grpo.models.continuous import keyed_noise_torch, row_keys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rows = torch.arange(64, device="cuda")
+    got = sample_noise(3, rows, rows * 7, 151936)
+    key = row_keys(3, rows, rows * 7)
+    torch.testing.assert_close(got, keyed_noise_torch(key, 151936), rtol=1e-6, atol=1e-7)
+
+
 def test_a_slot_that_cannot_fit_is_refused_before_allocation(monkeypatch):
     import omni_grpo.models.continuous as cont
 

@@ -70,9 +70,23 @@ def sample_noise(seed: int, rows: torch.Tensor, index: torch.Tensor, vocab: int)
 
     Odd multiples of 2^-24 as the uniforms: never 0 or 1, exact in fp32.
     """
+    base = row_keys(seed, rows, index)
+    if base.is_cuda:  # the same hash in one kernel (models.noise_kernel)
+        from omni_grpo.models.noise_kernel import keyed_noise
+
+        return keyed_noise(base, vocab)
+    return keyed_noise_torch(base, vocab)
+
+
+def row_keys(seed: int, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each draw's 32-bit key (``[B]`` int64): a hash of (seed, row id, token index)."""
     base = _hash32((rows.long() * 0x9E3779B1 + (seed & _MASK32)) & _MASK32)
-    base = _hash32((base ^ index.long()) & _MASK32)
-    cols = torch.arange(vocab, device=rows.device, dtype=torch.long)
+    return _hash32((base ^ index.long()) & _MASK32)
+
+
+def keyed_noise_torch(base: torch.Tensor, vocab: int) -> torch.Tensor:
+    """:func:`sample_noise`'s draws from each row's key, in torch (CPU; the kernel's reference)."""
+    cols = torch.arange(vocab, device=base.device, dtype=torch.long)
     bits = _hash32((base[:, None] + cols[None, :] * 0x2545F491) & _MASK32)
     uniform = ((bits >> 8) | 1).float() * (1.0 / (1 << 24))
     return -torch.log(uniform)
