@@ -39,6 +39,10 @@ from omni_grpo.config import ConfigError, load_config
             ["trainer.gradient_checkpointing=true", "trainer.checkpoint_policy=selective"],
             "rollout.exact_logprobs needs trainer.checkpoint_policy layer (got 'selective')",
         ),
+        (
+            ["trainer.compile=true", "trainer.gradient_checkpointing=false"],
+            "rollout.exact_logprobs with trainer.compile needs trainer.gradient_checkpointing",
+        ),
     ],
 )
 def test_config_refuses_where_exactness_cannot_hold(overrides: list[str], fragment: str) -> None:
@@ -51,6 +55,13 @@ def test_config_refuses_where_exactness_cannot_hold(overrides: list[str], fragme
 def test_config_accepts_the_supported_setting() -> None:
     cfg = load_config(None, ["rollout.exact_logprobs=true", "trainer.lora={rank: 8}"])
     assert cfg.rollout.exact_logprobs and cfg.trainer.lora is not None
+    # with trainer.compile: the policy's forward stays exact, the recompute is compiled
+    on = [
+        "rollout.exact_logprobs=true",
+        "trainer.compile=true",
+        "trainer.gradient_checkpointing=true",
+    ]
+    assert load_config(None, on).trainer.compile
     assert load_config(None, []).rollout.exact_logprobs == "auto"
 
 
@@ -58,7 +69,10 @@ def test_config_accepts_the_supported_setting() -> None:
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
-        (["trainer.compile=true"], "needs trainer.compile off"),
+        (
+            ["trainer.compile=true", "trainer.gradient_checkpointing=false"],
+            "with trainer.compile needs trainer.gradient_checkpointing",
+        ),
         (
             ["trainer.gradient_checkpointing=true", "trainer.checkpoint_policy=selective"],
             "needs trainer.checkpoint_policy layer",

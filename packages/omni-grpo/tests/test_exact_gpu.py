@@ -94,10 +94,17 @@ def _lengths(prompts: list[Any], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("lora", "batching"), [(False, "static"), (True, "static"), (True, "continuous")]
+    ("lora", "batching", "compile_"),
+    [
+        (False, "static", False),
+        (True, "static", False),
+        (True, "continuous", False),
+        (True, "continuous", True),  # trainer.compile: the recompute compiled, the forward exact
+        (False, "static", True),
+    ],
 )
 def test_every_completion_token_is_exact_over_grpo_steps(
-    world: dict[str, Any], lora: bool, batching: str
+    world: dict[str, Any], lora: bool, batching: str, compile_: bool
 ) -> None:
     from omni_grpo.backends.torch_backend import TorchBackend
     from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
@@ -113,6 +120,7 @@ def test_every_completion_token_is_exact_over_grpo_steps(
         micro_batch_size=8,
         micro_batch_tokens=4096,
         gradient_checkpointing=True,
+        compile=compile_,
         lora=LoraConfig(rank=4, targets=["attention", "experts"]) if lora else None,
     )
     backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
@@ -135,6 +143,48 @@ def test_every_completion_token_is_exact_over_grpo_steps(
         assert metrics["train_rollout_logprob_exact_fraction"] == 1.0, backend.exact_watch.totals
         assert metrics["train_rollout_logprob_abs_diff"] == 0.0
     assert {m for m, (bad, _) in backend.exact_watch.totals.items() if bad} == set()
+    if compile_:
+        assert backend.compiled is not None and backend.compiled.exact
+
+
+def test_exact_with_compile_trains_as_the_uncompiled_exact_step(world: dict[str, Any]) -> None:
+    """The same groups, one step each: the loss is the same bits (the same exact forward and KL
+    reference), the gradients those of a compiled recompute (bf16 rounding apart)."""
+    from omni_grpo.backends.torch_backend import TorchBackend
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.exact import enable_exact_logprobs
+    from omni_grpo.types import GRPOBatch
+
+    groups = world["groups"]
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]] * len(groups))
+    out = []
+    for compile_ in (False, True):
+        torch.manual_seed(5)
+        model = copy.deepcopy(world["base"]).to("cuda", torch.bfloat16)
+        cfg = TrainerConfig(
+            device="cuda",
+            lr=1e-3,
+            micro_batch_size=8,
+            gradient_checkpointing=True,
+            compile=compile_,
+            lora=LoraConfig(rank=4, targets=["attention", "experts"]),
+        )
+        backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
+        enable_exact_logprobs(model)
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        metrics = backend.step(GRPOBatch(groups, adv))
+        delta = torch.cat(
+            [
+                (p.detach() - start[n]).flatten().float()
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            ]
+        )
+        out.append((metrics, delta))
+    (m0, d0), (m1, d1) = out
+    assert m0["loss"] == m1["loss"]
+    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=0.05)
+    assert torch.nn.functional.cosine_similarity(d0, d1, dim=0) > 0.98
 
 
 def test_continuous_rows_are_bitwise_independent_of_their_batch(world: dict[str, Any]) -> None:

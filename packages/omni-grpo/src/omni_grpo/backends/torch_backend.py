@@ -358,11 +358,15 @@ class TorchBackend:
         for the matmul: two passes over every adapted layer's input for bit-identical results."""
         with contextlib.ExitStack() as stack:
             if self.compiled is not None:
+                if self.exact:  # exact forward, compiled recompute (models.compiled_layers)
+                    self.compiled.exact_mode()
                 stack.enter_context(self.compiled.active())
             if self.lora and self.autocast_dtype is not None:
                 from peft.helpers import disable_input_dtype_casting
 
                 stack.enter_context(disable_input_dtype_casting(self.model))
+                if self.compiled is not None:  # the twins' adapters are their own modules
+                    stack.enter_context(disable_input_dtype_casting(self.compiled.twins))
             yield
 
     def _autocast(self) -> Any:

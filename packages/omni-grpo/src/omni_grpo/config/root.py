@@ -164,10 +164,10 @@ def exact_obstacles(cfg: OmniGRPOConfig) -> list[str]:
         out.append(f"{where} needs a CUDA device (trainer.device is cpu)")
     if cfg.model.dtype == "float32":
         out.append(f"{where} needs model.dtype bfloat16 (got float32)")
-    if getattr(cfg.trainer, "compile", False):
+    if getattr(cfg.trainer, "compile", False) and not cfg.trainer.gradient_checkpointing:
         out.append(
-            f"{where} needs trainer.compile off: a compiled training forward fuses (and rounds) "
-            "differently from the eager decode step"
+            f"{where} with trainer.compile needs trainer.gradient_checkpointing: the policy's "
+            "forward keeps the rollout's exact kernels and only the recompute is compiled"
         )
     if cfg.trainer.checkpoint_policy != "layer":
         out.append(
