@@ -83,13 +83,8 @@ def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, A
     for name, payload in tiny.processor_artifacts(spec.vision).items():
         (dst / name).write_text(json.dumps(payload))
     sizes = [f.stat().st_size for f in dst.glob("model-*.safetensors")]
-    return {
-        "layers": layers,
-        "tensors": len(shapes),
-        "shards": len(sizes),
-        "total_bytes": sum(sizes),
-        "largest_shard_bytes": max(sizes),
-    }
+    out = {"layers": layers, "tensors": len(shapes), "shards": len(sizes)}
+    return out | {"total_bytes": sum(sizes), "largest_shard_bytes": max(sizes)}
 
 
 def copy_shards(src: Path, dst: Path) -> dict[str, float]:
@@ -107,23 +102,15 @@ def warm_page_cache(*dirs: Path) -> None:
     """Read every safetensors file below ``dirs`` once (untimed), so that a timed run starts
     with its inputs in the page cache: when the cache cannot hold inputs and outputs, the side
     that ran after the other's multi-GB writes read cold and the ratio measured eviction."""
-    for d in dirs:
-        for f in sorted(d.rglob("*.safetensors")):
-            with open(f, "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
+    for f in [f for d in dirs for f in sorted(d.rglob("*.safetensors"))]:
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
 
 
 def child(kind: str, *args: str | Path) -> dict[str, Any]:
     """Run side ``kind`` of :func:`_child_main` in its own process; its JSON record."""
     return harness.child_json([sys.executable, __file__, kind, *map(str, args)])
-
-
-def durable(seconds: float) -> float:
-    """``seconds`` plus the time ``os.sync()`` takes to write what is still dirty."""
-    with harness.timed() as t:
-        os.sync()
-    return seconds + t.s
 
 
 def rounds(work: Path, repeats: int, sides: dict[str, Side]) -> dict[str, list[dict[str, Any]]]:
@@ -137,7 +124,9 @@ def rounds(work: Path, repeats: int, sides: dict[str, Side]) -> dict[str, list[d
             os.sync()
             warm_page_cache(*warm)
             r = run(dst)
-            runs[name].append({**r, "durable_seconds": durable(r["seconds"])})
+            with harness.timed() as sync:  # what is still dirty, written
+                os.sync()
+            runs[name].append({**r, "durable_seconds": r["seconds"] + sync.s})
             shutil.rmtree(dst)
     return runs
 
@@ -149,11 +138,9 @@ def best(runs: list[dict[str, Any]]) -> tuple[float, float]:
 
 def gbps(total: int, runs: list[dict[str, Any]], method: str = "", **facts: Any) -> dict[str, Any]:
     """A side's best GB/s (cached, durable), after its ``method`` and ``facts`` when given."""
-    cached, durable_s = best(runs)
-    gb = {
-        "cached_gbps": round(total / cached / 1e9, 3),
-        "durable_gbps": round(total / durable_s / 1e9, 3),
-    }
+    cached, durable = best(runs)
+    gb = {"cached_gbps": round(total / cached / 1e9, 3)}
+    gb["durable_gbps"] = round(total / durable / 1e9, 3)
     return ({"method": method} if method else {}) | facts | gb
 
 
@@ -162,10 +149,8 @@ def ratios(runs: list[dict[str, Any]], **bases: list[dict[str, Any]]) -> dict[st
     (ours, ours_d), out = best(runs), {}
     for name, base in bases.items():
         theirs, theirs_d = best(base)
-        out |= {
-            f"{name}_cached": round(theirs / ours, 3),
-            f"{name}_durable": round(theirs_d / ours_d, 3),
-        }
+        out[f"{name}_cached"] = round(theirs / ours, 3)
+        out[f"{name}_durable"] = round(theirs_d / ours_d, 3)
     return out
 
 
@@ -215,11 +200,8 @@ def _ranges(run: Path) -> list[tuple[str, int, int]]:
             src = t.base.source
             ranges.append((str(source.root / src.file), src.offset, src.nbytes))
         else:
-            p = (
-                trained.hub_expert(t.trained, t.expert, t.part)
-                if t.part
-                else trained.tensor(t.trained)
-            )
+            part = t.part and trained.hub_expert(t.trained, t.expert, t.part)
+            p = part or trained.tensor(t.trained)
             ranges.append((str(p.path), p.offset, p.nbytes))
     return ranges
 

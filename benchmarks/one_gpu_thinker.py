@@ -26,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import harness
 import numpy as np
@@ -34,7 +35,7 @@ import roofline
 import thinker_rig as rig
 import torch
 
-GIB = 1 << 30
+GIB = harness.GIB
 CONFIG_KEYS = ("checkpoint_policy", "compile", "exact_logprobs", "lengths", "batching")
 CONFIG_KEYS += ("static_batch_rows", "long_prompts", "audio_seconds", "video_frames")
 CONFIG_KEYS += ("generation_only", "extra_groups")  # the options the result's config repeats
@@ -53,13 +54,6 @@ def draw_lengths(spec: str, rows: int, limit: int, seed: Any) -> list[int]:
     return [int(x) for x in np.clip(np.ceil(draw), 1, limit)]
 
 
-def _percentiles(lengths: list[int]) -> dict[str, float]:
-    """Completion-length percentiles (p50, p90, p99), mean and max."""
-    arr = np.asarray(lengths, dtype=float)
-    out = {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
-    return {**out, "mean": float(arr.mean()), "max": float(arr.max())}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from omni_grpo.config import LoraConfig
     from omni_grpo.data.prompt import PromptBuilder
@@ -67,7 +61,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from omni_grpo.types import GRPOBatch, SamplingParams
 
     work, device = Path(args.work), torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     skeleton = released.make_skeleton(work / "skeleton")
     limits = harness.device_limits(device)
     vl_dir, cfg = rig.vl_dir_at(skeleton, work / f"vl-{args.layers}", args.layers, args.widths)
@@ -75,12 +70,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         thinker = rig.thinker_at(cfg, vl_dir, skeleton, device, dtype)
         if args.widths == "real":
             rig.real_audio_tower(thinker, skeleton / "audio", device, dtype)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
 
     builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
-    tok = builder.tokenizer
-    kinds = ("image", "audio", "video")
+    tok, kinds = builder.tokenizer, ("image", "audio", "video")
     question = "Describe it in detail."
     samples, images = rig.samples(
         work, args.prompts, kinds, args.image_size, question, args.long_prompts
@@ -90,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import cli_run
 
         written = cli_run.write_run(
-            Path(args.write_run), thinker, vl_dir, skeleton, samples, images, args
+            args.write_run, thinker, vl_dir, skeleton, samples, images, args
         )
         print(f"omni-grpo train --config {written}", file=sys.stderr, flush=True)
     eos, pad = rig.stop_ids(vl_dir, tok)
@@ -112,19 +106,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def length_plan(batch: list[Any], n: int) -> list[int]:
         return [plan["lengths"][i * n + j] for i in range(len(batch)) for j in range(n)]
 
-    batchings = ["static", "continuous"] if args.batching == "both" else [args.batching]
-    engines = {
-        name: rig.engine(
-            thinker,
-            eos,
-            device,
-            tok,
-            batching=name,
-            max_batch_rows=args.static_batch_rows if name == "static" else 512,
-            length_plan=length_plan,
+    def make_engine(batching: str, plan: Any) -> Any:
+        most = args.static_batch_rows if batching == "static" else 512
+        return rig.engine(
+            thinker, eos, device, tok, batching=batching, max_batch_rows=most, length_plan=plan
         )
-        for name in batchings
-    }
+
+    batchings = ["static", "continuous"] if args.batching == "both" else [args.batching]
+    engines = {name: make_engine(name, length_plan) for name in batchings}
     if args.extra_groups:  # partial rollouts: groups in flight across steps (own length draws)
         from omni_grpo.rollout.partial import PartialRollouts
 
@@ -134,16 +123,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def partial_plan(batch: list[Any], n: int) -> list[int]:
             return draw_lengths(args.lengths, len(batch) * n, args.max_new_tokens, rng)
 
-        inner = rig.engine(thinker, eos, device, tok, batching="continuous", max_batch_rows=512)
-        inner.length_plan = partial_plan
+        inner = make_engine("continuous", partial_plan)
         engines["partial"] = PartialRollouts(
             inner, args.extra_groups, lambda k: [next(extra) for _ in range(k)]
         )
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     sizes = roofline.text_sizes(cfg, args.rank, targets)
     prompt_lens = [len(p.input_ids) for p in prompts]
-    width = max(prompt_lens)
-    rows = args.prompts * args.group
+    width, rows = max(prompt_lens), args.prompts * args.group
     # decode steps 1..N-1 (the first token comes from the prefill); row r at step t reads width + t keys
     decode_bytes = sum(
         roofline.decode_step_bytes(sizes, rows, rows * (width + t))
@@ -159,8 +146,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peak = 0.0
     for _ in range(args.steps):
         harness.peak_bytes(device, reset=True)
-        # exact: the same prompts every step, so each engine's rollout drops the towers' items
-        # (cleared in the loop below) and is timed as new prompts cost it
         plan["lengths"] = draw_lengths(
             args.lengths, rows, args.max_new_tokens, args.seed * 1000 + len(steps)
         )
@@ -170,26 +155,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         by_engine: dict[str, dict[str, Any]] = {}
         for name, engine in engines.items():
-            if args.exact_logprobs:
-                clear_item_caches(thinker)
+            # the same prompts every step: each rollout drops the towers' items (exact logprobs
+            # caches them) and is timed as new prompts cost it
+            clear_item_caches(thinker)
             with harness.timed(device) as gen:
                 groups = engine.generate(prompts, args.group, sampling)
             made = sum(len(c.token_ids) for gr in groups for c in gr)
-            stats = getattr(engine, "last_stats", None)
-            engine_roofline_s = var_roofline_s
+            stats, engine_roofline_s = getattr(engine, "last_stats", None), var_roofline_s
             if stats:  # partial rollouts: what the call generated and read, not what it returned
                 made = int(stats["generated_tokens"])
                 engine_roofline_s = partial_roofline_s(engine, sizes, copy_rate, matmul_rate)
-            by_engine[name] = {
-                "generation_s": round(gen.s, 3),
-                "new_tokens": made,
-                "tokens_per_s": round(made / gen.s, 1),
-                "variable_roofline_ratio": round(engine_roofline_s / gen.s, 4),
-                "peak_gib": round(harness.peak_bytes(device) / GIB, 2)
-                if device.type == "cuda"
-                else None,
-                **({"partial": stats} if stats else {}),
-            }
+            rec = {"generation_s": round(gen.s, 3), "new_tokens": made}
+            rec |= {"tokens_per_s": round(made / gen.s, 1)}
+            rec |= {"variable_roofline_ratio": round(engine_roofline_s / gen.s, 4)}
+            rec["peak_gib"] = round(harness.peak_bytes(device) / GIB, 2) if cuda else None
+            by_engine[name] = rec | ({"partial": stats} if stats else {})
             print(json.dumps({name: by_engine[name]}), file=sys.stderr, flush=True)
         gen_s = gen.s  # the last engine's rollout is the one trained on
         lengths = [len(c.token_ids) for gr in groups for c in gr]
@@ -199,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.generation_only:
             with harness.timed(device) as upd:
                 metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
-        if device.type == "cuda":
+        if cuda:
             peak = max(peak, harness.peak_bytes(device) / GIB)
         new_tokens = sum(lengths)
         train_seqs = [len(c.prompt.input_ids) + len(c.token_ids) for gr in groups for c in gr]
@@ -210,32 +190,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         if args.lengths == "uniform":
             var_roofline_s = roofline_s
-        steps.append(
-            {
-                "batching": by_engine,
-                "completion_lengths": _percentiles(lengths),
-                "variable_roofline_s": round(var_roofline_s, 3),
-                "generation_s": round(gen_s, 3),
-                "reference_s": round(metrics.get("time_reference_s", float("nan")), 3),
-                "policy_s": round(metrics.get("time_policy_s", float("nan")), 3),
-                "update_s": round(upd.s, 3),
-                "step_s": round(gen_s + upd.s, 3),
-                "new_tokens": new_tokens,
-                "tokens_per_s": round(new_tokens / gen_s, 1),
-                "generation_roofline_ratio": round(var_roofline_s / gen_s, 4),
-                "update_mfu": round(update_flops / upd.s / matmul_rate, 4) if upd.s else None,
-                "logprob_pearson": metrics.get("train_rollout_logprob_pearson"),
-                "logprob_abs_diff": metrics.get("train_rollout_logprob_abs_diff"),
-                "logprob_exact_fraction": metrics.get("train_rollout_logprob_exact_fraction"),
-                "skipped_step": metrics.get("skipped_step"),
-            }
-        )
+        arr = np.asarray(lengths, dtype=float)  # completion-length percentiles, mean and max
+        percentiles = {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
+        step = {"batching": by_engine}
+        step["completion_lengths"] = percentiles | {
+            "mean": float(arr.mean()),
+            "max": float(arr.max()),
+        }
+        step |= {"variable_roofline_s": round(var_roofline_s, 3), "generation_s": round(gen_s, 3)}
+        for phase in ("reference", "policy"):
+            step[f"{phase}_s"] = round(metrics.get(f"time_{phase}_s", float("nan")), 3)
+        step |= {"update_s": round(upd.s, 3), "step_s": round(gen_s + upd.s, 3)}
+        step |= {"new_tokens": new_tokens, "tokens_per_s": round(new_tokens / gen_s, 1)}
+        step["generation_roofline_ratio"] = round(var_roofline_s / gen_s, 4)
+        step["update_mfu"] = round(update_flops / upd.s / matmul_rate, 4) if upd.s else None
+        for k in ("pearson", "abs_diff", "exact_fraction"):
+            step[f"logprob_{k}"] = metrics.get(f"train_rollout_logprob_{k}")
+        steps.append(step | {"skipped_step": metrics.get("skipped_step")})
         print(json.dumps({"step": steps[-1]}), file=sys.stderr, flush=True)
     if args.profile:
-        dst = Path(args.profile)
-        step = GRPOBatch(groups, adv, temperature=sampling.temperature)
-        harness.profile_table(lambda: backend.step(step), dst)
-        profile_generation(engine, thinker, prompts, args.group, sampling, dst)
+        batch = GRPOBatch(groups, adv, temperature=sampling.temperature)
+        harness.profile_table(lambda: backend.step(batch), Path(args.profile))
+        profile_generation(engine, thinker, prompts, args.group, sampling, Path(args.profile))
     last = steps[-1]
     trl: dict[str, Any] | None = None
     if args.trl_steps:
@@ -243,19 +219,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del backend, engine, thinker, groups, adv
         trl = run_trl_side(args, cfg, vl_dir, samples, images)
     ours_samples_per_s = rows / last["step_s"]
+    config = {k: vars(args)[k] for k in ("layers", "widths", "prompts", "group")}
+    config |= {"rows": rows, "max_new_tokens": args.max_new_tokens}
+    config |= {"modalities": [s.modality for s in samples], "prompt_tokens": prompt_lens}
+    config["lora"] = {"rank": args.rank, "alpha": args.alpha, "targets": targets}
+    config |= {k: vars(args)[k] for k in ("expert_path", "micro_batch_size", "micro_batch_tokens")}
+    config["gradient_checkpointing"] = True
     return {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "config": {
-            **{k: vars(args)[k] for k in ("layers", "widths", "prompts", "group")},
-            "rows": rows,
-            "max_new_tokens": args.max_new_tokens,
-            "modalities": [s.modality for s in samples],
-            "prompt_tokens": prompt_lens,
-            "lora": {"rank": args.rank, "alpha": args.alpha, "targets": targets},
-            **{k: vars(args)[k] for k in ("expert_path", "micro_batch_size", "micro_batch_tokens")},
-            "gradient_checkpointing": True,
-            **{k: vars(args)[k] for k in CONFIG_KEYS},
-        },
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "config": config | {k: vars(args)[k] for k in CONFIG_KEYS},
         "limits": limits,
         "roofline": {
             "decode_bytes": decode_bytes,
@@ -279,26 +251,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def batching_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Each engine over every step: tokens/s (all tokens / all seconds), the mean roofline
     ratio, and its tokens/s against the static decoder's (the engine before batching) when run."""
-    names = steps[0]["batching"]
     out: dict[str, Any] = {}
-    for name in names:
+    for name in steps[0]["batching"]:
         runs = [st["batching"][name] for st in steps]
         rate = sum(r["new_tokens"] for r in runs) / sum(r["generation_s"] for r in runs)
         ratio = sum(r["variable_roofline_ratio"] for r in runs) / len(runs)
         out[name] = {"tokens_per_s": round(rate, 1), "variable_roofline_ratio": round(ratio, 4)}
-    if "static" in out:
-        for entry in out.values():
-            entry["vs_static"] = round(entry["tokens_per_s"] / out["static"]["tokens_per_s"], 3)
+    for entry in out.values() if "static" in out else ():
+        entry["vs_static"] = round(entry["tokens_per_s"] / out["static"]["tokens_per_s"], 3)
     return out
 
 
-def partial_roofline_s(
-    engine: Any, sizes: dict[str, float], copy_rate: float, matmul_rate: float
-) -> float:
+def partial_roofline_s(engine: Any, sizes: dict, copy_rate: float, matmul_rate: float) -> float:
     """The roofline of a partial-rollouts call: the rows it decoded (from where each resumed,
     live while they drew tokens) and the prompts and resumed samples it prefilled."""
-    contexts = [c for c, _ in engine.last_rows]
-    drawn = [max(1, n) for _, n in engine.last_rows]
+    contexts, drawn = [c for c, _ in engine.last_rows], [max(1, n) for _, n in engine.last_rows]
     decode = roofline.variable_decode_bytes(sizes, contexts, drawn)
     prefill = roofline.forward_flops(sizes, engine.last_prefill, len(engine.last_prefill))
     return decode / copy_rate + prefill / matmul_rate
@@ -313,12 +280,8 @@ def _dynamo_counters() -> dict[str, Any]:
 
 
 def run_trl_side(
-    args: argparse.Namespace,
-    cfg: dict[str, Any],
-    vl_dir: Path,
-    samples: list[Any],
-    images: list[Path],
-) -> dict[str, Any]:
+    args: argparse.Namespace, cfg: dict, vl_dir: Path, samples: list, images: list
+) -> dict:
     """The same random model (same seed), prompts and batch through TRL's ``GRPOTrainer`` with
     peft (our LoRA targets as peft's config), vision frozen, checkpointing on, after our model is
     freed. TRL gets every prompt as an image prompt (recorded in the result: ``media``), so the
@@ -334,42 +297,18 @@ def run_trl_side(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = rig.build_vl(cfg, device, dtype)
+    model = rig.build_vl(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     # every prompt as its index's image prompt: the VL model has no audio tower, and TRL 1.16
     # passes a mixed image + video batch's frame lists to the processor as separate videos
-    rows = [
-        {
-            "id": x.uid,
-            "path": str(images[i]),
-            "text": x.prompt.replace(f"<{x.modality}>", "<image>"),
-        }
-        for i, x in enumerate(samples)
-    ]
+    texts = [x.prompt.replace(f"<{x.modality}>", "<image>") for x in samples]
+    pairs = zip(samples, images, texts, strict=True)
+    rows = [{"id": x.uid, "path": str(p), "text": t} for x, p, t in pairs]
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
-    trl_args = argparse.Namespace(
-        device=args.device,
-        media="image",
-        work=args.work,
-        group=args.group,
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        warmup=args.trl_warmup,
-        steps=args.trl_steps,
-        lr=1e-5,
-        seed=args.seed,
-    )
+    steps = {"warmup": args.trl_warmup, "steps": args.trl_steps}
+    trl_args = argparse.Namespace(**vars(args) | steps | {"media": "image", "lr": 1e-5})
     with contextlib.redirect_stdout(sys.stderr):  # TRL logs its steps on stdout: one JSON here
-        out = run_trl(
-            trl_args,
-            vl_dir,
-            rows,
-            model=model,
-            peft_config=peft_config(lora),
-            gradient_checkpointing=True,
-        )
-    out["media"] = ["image"] * len(rows)
-    return out
+        out = run_trl(trl_args, vl_dir, rows, model, peft_config(lora), True)
+    return out | {"media": ["image"] * len(rows)}
 
 
 def profile_generation(
@@ -381,83 +320,37 @@ def profile_generation(
 
     clear_item_caches(thinker)  # a no-op with the option off
     short = sampling.model_copy(update={"max_new_tokens": 64})
-    before = os.environ.get("OMNI_GRPO_CUDA_GRAPH")
-    os.environ["OMNI_GRPO_CUDA_GRAPH"] = "0"
-    try:
-        harness.profile_table(
-            lambda: engine.generate(prompts, group, short),
-            dst.with_name(dst.name + ".generation.txt"),
-        )
-    finally:
-        if before is None:
-            del os.environ["OMNI_GRPO_CUDA_GRAPH"]
-        else:
-            os.environ["OMNI_GRPO_CUDA_GRAPH"] = before
+    with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):
+        generate = lambda: engine.generate(prompts, group, short)  # noqa: E731
+        harness.profile_table(generate, dst.with_name(dst.name + ".generation.txt"))
 
 
 def main() -> None:
     ap = harness.parser(__doc__, work="/tmp/one_gpu_thinker", device="cuda")
-    ap.add_argument("--widths", choices=["real", "tiny"], default="real")
-    harness.add_options(ap, layers=released.LAYERS, prompts=8, group=8, max_new_tokens=512)
-    harness.add_options(ap, image_size=448, audio_seconds=30.0, video_frames=16, video_size=224)
+    harness.add_options(ap, widths=("real", "tiny"), layers=released.LAYERS, prompts=8, group=8)
+    harness.add_options(ap, max_new_tokens=512, image_size=448, video_size=224)
+    # --long-prompts: every prompt a 32-frame video and 60 s of audio (unless given otherwise)
+    harness.add_options(ap, audio_seconds=float, video_frames=int, long_prompts=False)
     harness.add_options(ap, rank=16, alpha=32.0, targets="attention,experts")
-    ap.add_argument("--expert-path", choices=["grouped", "peft"], default="grouped")
-    harness.add_options(ap, micro_batch_size=8)
-    ap.add_argument("--micro-batch-tokens", type=int, help="pack rows of several prompts")
-    ap.add_argument("--compile", action="store_true", help="trainer.compile: the layers' parts")
-    ap.add_argument(
-        "--checkpoint-policy",
-        choices=["layer", "selective"],
-        default="layer",
-        help="trainer.checkpoint_policy: recompute whole layers, or keep the attention's products",
-    )
-    harness.add_options(ap, steps=2, seed=0)
-    ap.add_argument(
-        "--extra-groups",
-        type=int,
-        default=0,
-        help="also partial rollouts (omni_grpo.rollout.partial): this many groups in flight",
-    )
-    ap.add_argument("--exact-logprobs", action="store_true", help="rollout.exact_logprobs")
-    ap.add_argument(
-        "--lengths",
-        default="uniform",
-        help="completion lengths: uniform (every row --max-new-tokens) or lognormal:MEDIAN:SIGMA",
-    )
-    ap.add_argument(
-        "--batching",
-        choices=["static", "continuous", "both"],
-        default="static",
-        help="the embedded engine's decoder; both: each step with each, same lengths",
-    )
-    ap.add_argument(
-        "--static-batch-rows",
-        type=int,
-        default=512,
-        help="the static engine's max_batch_rows (its KV must fit: 64 for 256 x 4096)",
-    )
-    ap.add_argument(
-        "--long-prompts",
-        action="store_true",
-        help="every prompt a 32-frame video and 60 s of audio (unless given otherwise)",
-    )
-    ap.add_argument("--generation-only", action="store_true", help="skip the update")
-    ap.add_argument(
-        "--write-run",
-        metavar="DIR",
-        help="also write the drawn model, the prompts' media and an omni-grpo train config "
-        "there (cli_run.py): the CLI's step against this one",
-    )
-    ap.add_argument("--trl-steps", type=int, default=0, help="then TRL+peft: warm-up + this many")
-    ap.add_argument("--trl-warmup", type=int, default=1, help="TRL steps run before the timed ones")
-    ap.add_argument("--profile", help="write a profiler table of one more update here")
+    harness.add_options(ap, expert_path=("grouped", "peft"), micro_batch_size=8)
+    # --micro-batch-tokens: pack rows of several prompts; --compile: trainer.compile (the layers'
+    # parts); --checkpoint-policy: recompute whole layers, or keep the attention's products
+    harness.add_options(ap, micro_batch_tokens=int, compile=False)
+    harness.add_options(ap, checkpoint_policy=("layer", "selective"), steps=2, seed=0)
+    # --extra-groups N: also partial rollouts (omni_grpo.rollout.partial), N groups in flight;
+    # --exact-logprobs: rollout.exact_logprobs; --lengths: uniform (every row --max-new-tokens)
+    # or lognormal:MEDIAN:SIGMA; --batching both: each step with each decoder, same lengths
+    harness.add_options(ap, extra_groups=0, exact_logprobs=False, lengths="uniform")
+    harness.add_options(ap, batching=("static", "continuous", "both"))
+    # --static-batch-rows: the static engine's max_batch_rows (its KV must fit: 64 for 256 x 4096)
+    harness.add_options(ap, static_batch_rows=512, generation_only=False)
+    # --write-run DIR: also the drawn model, the prompts' media and an omni-grpo train config
+    # there (cli_run.py): the CLI's step against this one; --trl-steps N: then TRL+peft, after
+    # --trl-warmup steps; --profile PATH: a profiler table of one more update there
+    harness.add_options(ap, write_run=Path, trl_steps=0, trl_warmup=1, profile=str)
     args = ap.parse_args()
-    if args.long_prompts:
-        given = set(sys.argv)
-        if "--audio-seconds" not in given:
-            args.audio_seconds = 60.0
-        if "--video-frames" not in given:
-            args.video_frames = 32
+    args.audio_seconds = args.audio_seconds or (60.0 if args.long_prompts else 30.0)
+    args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
     harness.torch_threads(4)
     harness.emit("one_gpu_thinker", run(args), args.save)
 

@@ -91,12 +91,11 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     model = load_thinker(vl, audio_dir=audio, dtype="bfloat16" if cuda else "float32", device=dev)
     data = DataConfig(video_fps=args.fps, image_max_pixels=args.image_size**2 * 4)
     builder = PromptBuilder(vl, data)
-    tok = builder.tokenizer
-    prompts = []
+    tok, prompts = builder.tokenizer, []
     for r in rows:
         media = [{"type": args.media, "path": r["path"]}]
-        text = f"<{args.media}>{r['text']}"
-        prompts.append(builder.build(Sample(r["id"], text, "", media, modality=args.media), "/"))
+        sample = Sample(r["id"], f"<{args.media}>{r['text']}", "", media, modality=args.media)
+        prompts.append(builder.build(sample, "/"))
     cfg = TrainerConfig(device=dev, lr=args.lr, micro_batch_size=args.group, max_grad_norm=1.0)
     algo = AlgoConfig(loss_agg="token", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)
     backend = TorchBackend(model, cfg, algo, pad_token_id=int(tok.pad_token_id))
@@ -197,30 +196,16 @@ def run_trl(
 
         on_train_begin = on_step_end
 
-    config = GRPOConfig(
-        output_dir=str(Path(args.work) / "trl_out"),
-        per_device_train_batch_size=args.group,
-        gradient_accumulation_steps=args.prompts,  # one optimizer step = `prompts` groups
-        num_generations=args.group,
-        max_completion_length=args.max_new_tokens,
-        max_steps=args.warmup + args.steps,
-        learning_rate=args.lr,
-        bf16=device == "cuda",
-        gradient_checkpointing=gradient_checkpointing,
-        seed=args.seed,
-        use_cpu=device == "cpu",
-        **TRL_MATCHED,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[reward],
-        args=config,
-        train_dataset=dataset,
-        processing_class=processor,
-        callbacks=[StepEnds()],
-        peft_config=peft_config,
-    )
-    trainer.train()
+    run = dict(output_dir=str(Path(args.work) / "trl_out"), seed=args.seed, learning_rate=args.lr)
+    # one optimizer step = `prompts` groups
+    run |= dict(per_device_train_batch_size=args.group, gradient_accumulation_steps=args.prompts)
+    run |= dict(num_generations=args.group, max_completion_length=args.max_new_tokens)
+    run |= dict(max_steps=args.warmup + args.steps, bf16=device == "cuda", use_cpu=device == "cpu")
+    config = GRPOConfig(**run, gradient_checkpointing=gradient_checkpointing, **TRL_MATCHED)
+    kw = dict(train_dataset=dataset, processing_class=processor, peft_config=peft_config)
+    GRPOTrainer(
+        model=model, reward_funcs=[reward], args=config, callbacks=[StepEnds()], **kw
+    ).train()
     first = copy.deepcopy(records[0]["prompt"])
     if records[0].get("image") is not None:
         first[0]["content"][0] = {"type": "image", "image": records[0]["image"]}
@@ -269,30 +254,23 @@ def main() -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     with harness.timed() as prep:
-        skeleton = (
-            Path(args.skeleton) if args.skeleton else released.make_skeleton(work / "skeleton")
-        )
+        skeleton = Path(args.skeleton or released.make_skeleton(work / "skeleton"))
         widen(skeleton, vl, args.layers, args.widths, args.device)
         if not audio.exists():
             shutil.copytree(skeleton / "audio", audio)
         (work / f"rows-{args.media}.json").write_text(json.dumps(write_media(work / "media", args)))
     # each side in its own process: its peak memory is its own
     sides = {s: harness.rerun("--side", s, check=False) for s in args.sides.split(",") if s}
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "config": {k: vars(args)[k] for k in ("layers", "widths", "media", "image_size")}
-        | {"frames": args.frames if args.media == "video" else None}
-        | {"prompts_per_step": args.prompts, "group_size": args.group}
-        | {"samples_per_step": args.prompts * args.group, "max_new_tokens": args.max_new_tokens}
-        | {
-            "lr": args.lr,
-            "loss": "token-mean over the step (ours loss_agg=token, TRL loss_type=dapo)",
-        }
-        | {"steps_timed": args.steps, "warmup_steps": args.warmup}
-        | {"dtype": "bf16" if args.device == "cuda" else "fp32"},
-        "prepare_s": prep.s,
-        **sides,
-    }
+    cuda = args.device == "cuda"
+    config = {k: vars(args)[k] for k in ("layers", "widths", "media", "image_size")}
+    config |= {"frames": args.frames if args.media == "video" else None}
+    config |= {"prompts_per_step": args.prompts, "group_size": args.group}
+    config |= {"samples_per_step": args.prompts * args.group, "max_new_tokens": args.max_new_tokens}
+    loss = "token-mean over the step (ours loss_agg=token, TRL loss_type=dapo)"
+    config |= {"lr": args.lr, "loss": loss, "steps_timed": args.steps, "warmup_steps": args.warmup}
+    config["dtype"] = "bf16" if cuda else "fp32"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {"device": device, "config": config, "prepare_s": prep.s, **sides}
     ours, theirs = sides.get("ours", {}), sides.get("trl", {})
     if "samples_per_s" in ours and "samples_per_s" in theirs:
         for key in ("samples_per_s", "generated_tokens_per_s"):
