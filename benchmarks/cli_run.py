@@ -21,7 +21,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import thinker_rig
 import torch
 import yaml
@@ -48,13 +47,11 @@ def write_audio(tower: Any, skeleton_audio: Path, dst: Path, device: torch.devic
     for f in skeleton_audio.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, dst / f.name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    module, config = tower.module(device, dtype), tower.config
-    state = {
-        f"audio_tower.{k}": v.detach().cpu().contiguous() for k, v in module.state_dict().items()
-    }
+    module = tower.module(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    state = module.state_dict()
+    state = {f"audio_tower.{k}": v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(state, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    (dst / "config.json").write_text(json.dumps(tower.config.to_dict(), indent=2))
 
 
 def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) -> list[dict]:
@@ -63,11 +60,7 @@ def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) ->
     from omni_grpo.data.synthetic import write_video_with_sound
 
     dst.mkdir(parents=True, exist_ok=True)
-    t = np.arange(int(args.audio_seconds * RATE)) / RATE
-    chirp = (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
-    fps = args.video_frames / args.audio_seconds if args.long_prompts else 2.0
-    n = args.video_frames
-    frames = np.stack([thinker_rig.colour_field(args.video_size, i, n) for i in range(n)])
+    chirp, (frames, fps) = thinker_rig.chirp(args.audio_seconds, RATE), thinker_rig.video(args)
     rows = []
     for i, s in enumerate(samples):
         media = []
@@ -84,17 +77,9 @@ def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) ->
             else:
                 path = write_video_with_sound(dst / f"video{i}.mp4", frames, fps, chirp)
             media.append({"type": kind, "path": path.name})
-        rows.append(
-            {
-                "uid": s.uid,
-                "prompt": s.prompt + " Answer A or B.",
-                "label": "A",
-                "choices": ["A", "B"],
-                "media": media,
-                "modality": s.modality,
-                "use_audio_in_video": bool(s.use_audio_in_video),
-            }
-        )
+        row = {"uid": s.uid, "prompt": s.prompt + " Answer A or B.", "label": "A"}
+        row |= {"choices": ["A", "B"], "media": media, "modality": s.modality}
+        rows.append(row | {"use_audio_in_video": bool(s.use_audio_in_video)})
     (dst / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -104,20 +89,11 @@ def train_config(dst: Path, args: Any, device: str) -> dict[str, Any]:
     the benchmark's prompts, group, lengths, media limits and LoRA."""
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["run"] = {"dir": str(dst / "run"), "seed": args.seed, "steps": args.steps, "save_every": 0}
-    cfg["model"] = {
-        "extracted_dir": str(dst / "vl"),
-        "audio_dir": str(dst / "audio"),
-        "dtype": "bfloat16" if device == "cuda" else "float32",
-        "freeze_visual": True,
-    }
-    cfg["data"] = {
-        "train": str(dst / "data" / "rows.jsonl"),
-        "root": str(dst / "data"),
-        "image_max_pixels": args.image_size**2,
-        "audio_max_seconds": args.audio_seconds,
-        "max_frames": args.video_frames,
-        "video_max_pixels": args.video_size**2,
-    }
+    model = {"extracted_dir": str(dst / "vl"), "audio_dir": str(dst / "audio")}
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg["model"] = model | {"dtype": dtype, "freeze_visual": True}
+    cfg["data"] = {"train": str(dst / "data" / "rows.jsonl"), "root": str(dst / "data")}
+    cfg["data"] |= thinker_rig.media_limits(args)
     rollout = cfg["rollout"]
     rollout.update(n_samples=args.group, prompts_per_step=args.prompts)
     rollout["sampling"]["max_new_tokens"] = args.max_new_tokens

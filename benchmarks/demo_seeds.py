@@ -171,6 +171,19 @@ def sweep(order: list[tuple[str, int, int]], configs: dict, work: Path | None) -
     return runs, False
 
 
+def record(args: Any, order: list, runs: dict, interrupted: bool, **facts: Any) -> dict[str, Any]:
+    """What every sweep reports (``facts`` after its config); ``all_pass``: of the first kind."""
+    out = {"config": str(args.config), **facts, "cpus": os.cpu_count(), "target": TARGET}
+    first = next(iter(runs.values()))
+    out |= {"interrupted": interrupted, "planned_runs": len(order)}
+    return out | {"all_pass": bool(first) and all(r.get("pass") for r in first)}
+
+
+def by_kind(runs: dict[str, list[dict[str, Any]]], threads: int) -> list[list[dict[str, Any]]]:
+    """Each kind's runs at ``threads``."""
+    return [[r for r in kind if r["threads"] == threads] for kind in runs.values()]
+
+
 def summarise(runs: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in runs if r.get("exit_code") == 0]
     return round(statistics.mean(values), 1) if values else None
@@ -191,17 +204,15 @@ def main() -> None:
     # threads-major (the fast thread count first, so a stopped sweep still covers every seed),
     # each baseline run right after the recipe run of its seed and thread count so load drifts
     # hit both the same way
+    both = {(s, t) for s in base_seeds for t in base_threads}
     order = [(k, s, t) for t in threads for s in seeds for k in ("recipe", "baseline")]
-    order = [
-        (k, s, t) for k, s, t in order if k == "recipe" or (s in base_seeds and t in base_threads)
-    ]
+    order = [(k, s, t) for k, s, t in order if k == "recipe" or (s, t) in both]
     configs = {"recipe": (args.config, tuple(args.overrides))}
     configs["baseline"] = (args.config, BASELINES[args.baseline])
     runs, interrupted = sweep(order, configs, args.work)
     by_threads: dict[str, Any] = {}
     for t in threads:
-        recipe = [r for r in runs["recipe"] if r["threads"] == t]
-        baseline = [r for r in runs["baseline"] if r["threads"] == t]
+        recipe, baseline = by_kind(runs, t)
         entry: dict[str, Any] = {"recipe_pass": passed(recipe)}
         for kind, rows in (("recipe", recipe), ("baseline", baseline)):
             entry |= {f"{kind}_{k}_mean": summarise(rows, k) for k in ("wall_s", "cpu_s")}
@@ -213,25 +224,11 @@ def main() -> None:
                     r[f"{key}_ratio"] = round(r[key] / b, 3)
         ratios = [r["wall_s_ratio"] for r in recipe if "wall_s_ratio" in r]
         by_threads[str(t)] = entry | {"wall_s_ratio_max": max(ratios) if ratios else None}
-    record = {
-        "config": str(args.config),
-        "cpus": os.cpu_count(),
-        "target": TARGET,
-        "baseline": args.baseline,
-        "baseline_overrides": list(BASELINES[args.baseline]),
-        "recipe_overrides": args.overrides,
-        "interrupted": interrupted,
-        "planned_runs": len(order),
-        "all_pass": bool(runs["recipe"]) and all(r.get("pass") for r in runs["recipe"]),
-        "collapses": [
-            {"seed": r["seed"], "threads": r["threads"], **c}
-            for r in runs["recipe"]
-            for c in r.get("collapses", [])
-        ],
-        "by_threads": by_threads,
-        "runs": runs,
-    }
-    harness.emit("demo_seeds", record, args.save)
+    base = {"baseline": args.baseline, "baseline_overrides": list(BASELINES[args.baseline])}
+    out = record(args, order, runs, interrupted, **base, recipe_overrides=args.overrides)
+    found = [(r, c) for r in runs["recipe"] for c in r.get("collapses", [])]
+    out["collapses"] = [{"seed": r["seed"], "threads": r["threads"], **c} for r, c in found]
+    harness.emit("demo_seeds", out | {"by_threads": by_threads, "runs": runs}, args.save)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,7 @@ def grouped(dev: torch.device) -> dict[str, Any]:
         pos_t = torch.empty_like(perm_t)
         pos_t[perm_t] = torch.arange(perm_t.numel(), device=dev)
         for label, fn in (("torch", lambda a, b, o: fn_torch(a, b, offs=o)), ("exact", gmm)):
-            full = fn(xs_t, w, offs_t)
-            part = fn(xs_d, w, offs_d)
+            full, part = fn(xs_t, w, offs_t), fn(xs_d, w, offs_d)
             row[f"{label}_equal_rows"] = _equal_rows(part, full[pos_t[perm_d]])
             row[f"{label}_train_ms"] = _bench(partial(fn, xs_t, w, offs_t))
             flops = 2 * xs_t.shape[0] * k * n
@@ -135,8 +134,7 @@ def _compare(fns: Any, *rows: torch.Tensor, shared: tuple = (), bench: bool = Tr
     same rows computed in the whole batch (``rows`` are cut, ``shared`` not), and the batch's time."""
     out: dict[str, Any] = {}
     for label, fn in fns:
-        full = fn(*rows, *shared)
-        part = fn(*(r[:DECODE_ROWS] for r in rows), *shared)
+        full, part = fn(*rows, *shared), fn(*(r[:DECODE_ROWS] for r in rows), *shared)
         out[f"{label}_equal_rows"] = _equal_rows(part, full[:DECODE_ROWS])
         if bench:
             out[f"{label}_train_ms"] = _bench(partial(fn, *rows, *shared))
@@ -152,10 +150,8 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
         ("torch", partial(rw._torch_rmsnorm, eps=1e-6)),
         ("exact", partial(rw.rmsnorm, eps=1e-6)),
     )
-    for name, width, rows in (
-        ("rmsnorm_hidden", HIDDEN, TRAIN_ROWS),
-        ("rmsnorm_head", HEAD_DIM, TRAIN_ROWS * HEADS),
-    ):
+    sizes = {"rmsnorm_hidden": (HIDDEN, TRAIN_ROWS), "rmsnorm_head": (HEAD_DIM, TRAIN_ROWS * HEADS)}
+    for name, (width, rows) in sizes.items():
         x, w = torch.randn(rows, width, **bf16), torch.rand(width, **bf16)
         out[name] = _compare(rms, x, shared=(w,))
     z, tg = torch.randn(1024, VOCAB, device=dev) * 3, torch.randint(0, VOCAB, (1024,), device=dev)
@@ -202,11 +198,10 @@ def attention(dev: torch.device) -> dict[str, Any]:
         num_key_value_groups = HEADS // KV_HEADS
         training = False
 
-    rep = HEADS // KV_HEADS
     kf, vf = k[:, :, :length], v[:, :, :length]
 
     def torch_full() -> torch.Tensor:
-        kr, vr = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+        kr, vr = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (kf, vf))
         sdpa = F.scaled_dot_product_attention(q, kr, vr, attn_mask=full_mask, scale=scale)
         return sdpa.transpose(1, 2)
 

@@ -11,12 +11,11 @@ LoRA / full ratios of the mean wall and CPU time on the seeds both ran. Minutes 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import harness
-from demo_seeds import REPO, TARGET, parse_ints, passed, summarise, sweep
+from demo_seeds import REPO, by_kind, parse_ints, passed, record, summarise, sweep
 
 
 def main() -> None:
@@ -38,8 +37,7 @@ def main() -> None:
     runs, interrupted = sweep(order, configs, args.work)
     by_threads: dict[str, Any] = {}
     for t in threads:
-        lora = [r for r in runs["lora"] if r["threads"] == t]
-        full = [r for r in runs["full"] if r["threads"] == t]
+        lora, full = by_kind(runs, t)
         entry: dict[str, Any] = {"lora_pass": passed(lora), "full_pass": passed(full)}
         # the ratio on the seeds both ran (same seed, same thread count, adjacent in time)
         paired = {r["seed"] for r in full} & {r["seed"] for r in lora}
@@ -49,19 +47,9 @@ def main() -> None:
             entry[f"lora_{key}_mean"], entry[f"full_{key}_mean"] = a, b
             entry[f"{key}_ratio_lora_over_full"] = round(a / b, 3) if a and b else None
         by_threads[str(t)] = entry
-    record = {
-        "config": str(args.config),
-        "baseline_config": str(args.baseline_config),
-        "overrides": args.overrides,
-        "cpus": os.cpu_count(),
-        "target": TARGET,
-        "interrupted": interrupted,
-        "planned_runs": len(order),
-        "all_pass": bool(runs["lora"]) and all(r.get("pass") for r in runs["lora"]),
-        "by_threads": by_threads,
-        "runs": runs,
-    }
-    harness.emit("lora_seeds", record, args.save)
+    facts = {"baseline_config": str(args.baseline_config), "overrides": args.overrides}
+    out = record(args, order, runs, interrupted, **facts)
+    harness.emit("lora_seeds", out | {"by_threads": by_threads, "runs": runs}, args.save)
 
 
 if __name__ == "__main__":

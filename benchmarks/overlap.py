@@ -112,16 +112,11 @@ def sglang_pair(work: Path, steps: int, extra: list[str], measure: bool = True) 
     with fake_server(work, delay) as url:
         check = on("calibrate-2", url, 0, 4)["phases_s"]
     delay = max(0.0, delay + (check["train"] - check["rollout"]) / TOKENS_PER_SAMPLE)
-    out: dict[str, Any] = {
-        "token_delay_s": round(delay, 4),
-        "calibration": {
-            "train_s": probe["train"],
-            "rollout_fixed_s": round(fixed_s, 4),
-            "fixed_exceeds_train": fixed_s > probe["train"],
-            "first_token_delay_s": round(first, 4),
-            "first_rollout_over_train": round(check["rollout"] / check["train"], 3),
-        },
-    }
+    calibration = {"train_s": probe["train"], "rollout_fixed_s": round(fixed_s, 4)}
+    calibration |= {"fixed_exceeds_train": fixed_s > probe["train"]}
+    calibration |= {"first_token_delay_s": round(first, 4)}
+    calibration["first_rollout_over_train"] = round(check["rollout"] / check["train"], 3)
+    out: dict[str, Any] = {"token_delay_s": round(delay, 4), "calibration": calibration}
     for staleness in (0, 1) if measure else ():
         with fake_server(work, delay) as url:
             out[f"max_staleness_{staleness}"] = on(f"staleness-{staleness}", url, staleness, steps)
@@ -163,10 +158,8 @@ def sglang_actor_pair(
     (``trainer.world_size: 1`` + a launched fake server: the scale path's topology), where the
     client's HTTP work no longer shares a GIL with training."""
     out: dict[str, Any] = {"token_delay_s": round(delay, 4), "trainer_pinned": pin}
-    launch = (
-        "{servers: 1, kind: fake, gpus_per_server: 0, cpus_per_server: 0.5, "
-        f"extra_args: [--token-delay-s, '{delay}']}}"
-    )
+    launch = "{servers: 1, kind: fake, gpus_per_server: 0, cpus_per_server: 0.5, "
+    launch += f"extra_args: [--token-delay-s, '{delay}']}}"
     for staleness in (0, 1):
         name = f"sglang-actor{'-pinned' if pin else ''}-{staleness}"
         sets = [
@@ -199,17 +192,13 @@ def ray_pair(work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
     train_s = (probe_short["train"] + probe_long["train"]) / 2
     tokens = int(round(short + (train_s - probe_short["rollout"]) / per_token))
     tokens = max(1, min(RAY_MAX_TOKENS, tokens))
-    out: dict[str, Any] = {
-        "trainer_ranks": trainers,
-        "rollout_actors": actors,
-        "max_new_tokens": tokens,
-        "calibration": {
-            "recipe_max_new_tokens": short,
-            "recipe_rollout_over_train": round(probe_short["rollout"] / probe_short["train"], 3),
-            "rollout_s_per_token": round(per_token, 4),
-            "train_s": round(train_s, 4),
-        },
-    }
+    calibration = {"recipe_max_new_tokens": short}
+    calibration["recipe_rollout_over_train"] = round(
+        probe_short["rollout"] / probe_short["train"], 3
+    )
+    calibration |= {"rollout_s_per_token": round(per_token, 4), "train_s": round(train_s, 4)}
+    out = {"trainer_ranks": trainers, "rollout_actors": actors, "max_new_tokens": tokens}
+    out["calibration"] = calibration
     for staleness in (0, 1):
         out[f"max_staleness_{staleness}"] = on(f"ray-{staleness}", staleness, steps, tokens)
     return out
@@ -221,12 +210,10 @@ def ratios(pair: dict[str, Any]) -> dict[str, Any]:
     zero, one = pair["max_staleness_0"], pair["max_staleness_1"]
     p = zero["phases_s"]
     ideal = p["step"] / (p["step"] - min(p["rollout"], p["train"]))
-    return {
-        "ratio": round(one["samples_per_s"] / zero["samples_per_s"], 3),
-        "steady_ratio": round(one["steady_samples_per_s"] / zero["steady_samples_per_s"], 3),
-        "rollout_over_train": round(p["rollout"] / p["train"], 3),
-        "ideal_steady_ratio": round(ideal, 3),
-    } | pair
+    out = {"ratio": round(one["samples_per_s"] / zero["samples_per_s"], 3)}
+    out["steady_ratio"] = round(one["steady_samples_per_s"] / zero["steady_samples_per_s"], 3)
+    out["rollout_over_train"] = round(p["rollout"] / p["train"], 3)
+    return out | {"ideal_steady_ratio": round(ideal, 3)} | pair
 
 
 def main() -> None:
@@ -255,11 +242,10 @@ def main() -> None:
         "target_ratio": 1.6,
         "limit_ratio": 2.0,
         "wall_s": round(time.perf_counter() - t0, 1),
-        "cpus": os.cpu_count(),
-        "load_avg_before": load_before,
-        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
-        "torch_threads": int(os.environ["OMNI_GRPO_TORCH_THREADS"]),
     }
+    result |= {"cpus": os.cpu_count(), "load_avg_before": load_before}
+    result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    result["torch_threads"] = int(os.environ["OMNI_GRPO_TORCH_THREADS"])
     harness.emit("overlap", result, args.save)
 
 

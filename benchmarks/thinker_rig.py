@@ -114,6 +114,21 @@ def colour_field(size: int, i: int, n: int) -> np.ndarray:
     return (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8)
 
 
+def chirp(seconds: float, rate: int = 16000) -> np.ndarray:
+    """``seconds`` of a rising tone at ``rate`` Hz: every prompt's audio and video sound track."""
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
+
+
+def video(args: argparse.Namespace) -> tuple[np.ndarray, float]:
+    """``--video-frames`` moving colour frames and their fps: with ``--long-prompts`` the frames
+    span the sound (``video_frames / audio_seconds`` fps: 32 frames over 60 s), so the interleave
+    spreads the frame chunks through the audio as a real clip's would."""
+    n, long = args.video_frames, getattr(args, "long_prompts", False)
+    frames = np.stack([colour_field(args.video_size, i, n) for i in range(n)])
+    return frames, n / args.audio_seconds if long else 2.0
+
+
 def write_images(root: Path, n: int, size: int) -> list[Path]:
     """``n`` :func:`colour_field` PNGs."""
     from PIL import Image
@@ -125,33 +140,28 @@ def write_images(root: Path, n: int, size: int) -> list[Path]:
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
-    """Install media loaders that return synthetic arrays (``--audio-seconds`` of a chirp, also
-    as every video's own sound track; ``--video-frames`` moving colour frames); returns the
-    prompt builder's matching limits. With ``--long-prompts`` the frames span the sound
-    (``video_frames / audio_seconds`` fps: 32 frames over 60 s), so the interleave spreads the
-    frame chunks through the audio as a real clip's would."""
+    """Install media loaders that return synthetic arrays (:func:`chirp` of ``--audio-seconds``,
+    also as every video's own sound track; :func:`video`); returns the prompt builder's matching
+    limits."""
     import omni_grpo.data.prompt as prompt_mod
     from omni_grpo.config import DataConfig
     from omni_grpo.data.media import VideoClip
 
-    fps = args.video_frames / args.audio_seconds if getattr(args, "long_prompts", False) else 2.0
-
     def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
-        t = np.arange(int(args.audio_seconds * 16000)) / 16000
-        return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
+        return chirp(args.audio_seconds)
 
-    def video(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
-        n = args.video_frames
-        return VideoClip(np.stack([colour_field(args.video_size, i, n) for i in range(n)]), fps)
+    def clip(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
+        return VideoClip(*video(args))
 
-    prompt_mod.load_audio, prompt_mod.load_video = audio, video
+    prompt_mod.load_audio, prompt_mod.load_video = audio, clip
     prompt_mod.load_video_audio = audio  # a video's own sound track (use_audio_in_video)
-    return DataConfig(
-        image_max_pixels=args.image_size**2,
-        audio_max_seconds=args.audio_seconds,
-        max_frames=args.video_frames,
-        video_max_pixels=args.video_size**2,
-    )
+    return DataConfig(**media_limits(args))
+
+
+def media_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The data section's limits that let the synthetic media through whole."""
+    limits = {"image_max_pixels": args.image_size**2, "audio_max_seconds": args.audio_seconds}
+    return limits | {"max_frames": args.video_frames, "video_max_pixels": args.video_size**2}
 
 
 def samples(
@@ -180,16 +190,7 @@ def samples(
         if long:
             kind, media = "video", [medium("video", i)]
             text = f"<video>Question {i}. What is said while this happens?"
-        out.append(
-            Sample(
-                uid=f"p{i}",
-                prompt=text,
-                label="",
-                media=media,
-                modality=kind,
-                use_audio_in_video=long,
-            )
-        )
+        out.append(Sample(f"p{i}", text, "", media, modality=kind, use_audio_in_video=long))
     return out, images
 
 
@@ -212,13 +213,10 @@ def engine(
 
     if tok is not None:
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    kw["autocast_dtype"] = torch.bfloat16 if device.type == "cuda" else None
+    banned = media_token_ids(thinker) + ([] if stop else eos)
     return EmbeddedEngine(
-        thinker,
-        eos if stop else [],
-        device=device,
-        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        banned_token_ids=media_token_ids(thinker) + ([] if stop else eos),
-        **kw,
+        thinker, eos if stop else [], device=device, banned_token_ids=banned, **kw
     )
 
 
