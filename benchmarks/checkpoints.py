@@ -5,8 +5,6 @@ rounds that time them, to the page cache and until ``os.sync()`` returns. Why ea
 docs/benchmarks.md, "Methods".
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math

@@ -14,8 +14,6 @@ tokenizer and processor files), ``audio/`` (the audio tower's weights and config
 sizes of the benchmark.
 """
 
-from __future__ import annotations
-
 import json
 import shutil
 from pathlib import Path

@@ -4,8 +4,6 @@
     uv run python benchmarks/core_logprobs.py
 """
 
-from __future__ import annotations
-
 from functools import partial
 from typing import Any
 

@@ -6,8 +6,6 @@ more than ``--stream-gb`` GB streamed in a child against other layouts: docs/ben
     uv run python benchmarks/data_sources.py [--rows-per-task 40] [--stream-gb 2.2] [--tmp DIR]
 """
 
-from __future__ import annotations
-
 import argparse
 import io
 import json
@@ -61,25 +59,14 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
                         assert sources[name].load(int(i)) is not None
                 best[order_name][name] = max(best[order_name].get(name, 0.0), n / t.s)
     pairs = [(sources["jsonl"].load(i), sources["parquet"].load(i)) for i in range(n)]
-    identical = all(
-        a.input_ids == b.input_ids
-        and a.mm.keys() == b.mm.keys()
-        and all(bool((a.mm[k] == b.mm[k]).all()) for k in a.mm)
-        for a, b in pairs
-    )
-    return {
-        "rows": n,
-        "identical_inputs": identical,
-        "media_access": media_access(sources["jsonl"], sources["parquet"], repeats * 5),
-        **{
-            order: {
-                "jsonl_rows_per_s": round(r["jsonl"], 2),
-                "parquet_rows_per_s": round(r["parquet"], 2),
-                "ratio_parquet_vs_jsonl": round(r["parquet"] / r["jsonl"], 3),
-            }
-            for order, r in best.items()
-        },
-    }
+    same = [a.input_ids == b.input_ids and a.mm.keys() == b.mm.keys() for a, b in pairs]
+    identical = all(same) and all(bool((a.mm[k] == b.mm[k]).all()) for a, b in pairs for k in a.mm)
+    out = {"rows": n, "identical_inputs": identical}
+    out["media_access"] = media_access(sources["jsonl"], sources["parquet"], repeats * 5)
+    for order, r in best.items():
+        out[order] = {f"{k}_rows_per_s": round(r[k], 2) for k in ("jsonl", "parquet")}
+        out[order]["ratio_parquet_vs_jsonl"] = round(r["parquet"] / r["jsonl"], 3)
+    return out
 
 
 def media_access(files: Any, table: Any, repeats: int) -> dict[str, float]:
@@ -174,8 +161,11 @@ def child_stream(spec: str, model_dir: str, limit: int) -> dict[str, Any]:
     """(the child) Stream ``limit`` rows of ``spec`` (0: all); its memory figures."""
     path = Path(spec)
     ds = dataset(path, path if path.is_dir() else path.parent, Path(model_dir))
-    mb = {"rss_after_open_mb": harness.status_kb("VmRSS"), "peak_rss_anon_mb": 0}
-    mb["peak_rss_file_mb"] = 0
+    mb = {
+        "rss_after_open_mb": harness.status_kb("VmRSS"),
+        "peak_rss_anon_mb": 0,
+        "peak_rss_file_mb": 0,
+    }
     n = min(limit, len(ds)) if limit > 0 else len(ds)
     with harness.timed() as t:
         for i in range(n):
@@ -224,19 +214,14 @@ def main() -> None:
         def ratio(a: dict, b: dict, key: str = "peak_rss_mb") -> float:
             return round(a[key] / b[key], 3)
 
-        result["stream"] = {
-            "parquet_gb": round(parquet.stat().st_size / 1e9, 3),
-            "rows": n_rows,
-            "parquet_full": full,
-            "parquet_first_tenth": part,
-            "jsonl_files_full": files,
-            "save_to_disk_full": arrow,
-            "rss_growth_ratio_full_vs_tenth": ratio(full, part),
-            "rss_ratio_parquet_vs_files": ratio(full, files),
-            "rss_ratio_save_to_disk_vs_files": ratio(arrow, files),
-            "stream_rows_per_s_ratio_save_to_disk_vs_files": ratio(arrow, files, "rows_per_s"),
-            "stream_rows_per_s_ratio_parquet_vs_files": ratio(full, files, "rows_per_s"),
-        }
+        out = {"parquet_gb": round(parquet.stat().st_size / 1e9, 3), "rows": n_rows}
+        out |= {"parquet_full": full, "parquet_first_tenth": part, "jsonl_files_full": files}
+        out |= {"save_to_disk_full": arrow, "rss_growth_ratio_full_vs_tenth": ratio(full, part)}
+        out |= {"rss_ratio_parquet_vs_files": ratio(full, files)}
+        out |= {"rss_ratio_save_to_disk_vs_files": ratio(arrow, files)}
+        rate = "stream_rows_per_s_ratio_{}_vs_files".format
+        out[rate("save_to_disk")] = ratio(arrow, files, "rows_per_s")
+        result["stream"] = out | {rate("parquet"): ratio(full, files, "rows_per_s")}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     harness.emit("data_sources", result, args.save)

@@ -8,8 +8,6 @@ same run (docs/benchmarks.md, "Methods").
     python benchmarks/decode_attention.py                     # H200
 """
 
-from __future__ import annotations
-
 import json
 import statistics
 import sys

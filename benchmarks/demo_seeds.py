@@ -8,8 +8,6 @@ their ratios. Minutes per run; the method: docs/benchmarks.md, "Methods".
         [--set rollout.max_staleness=1 ...] [--work DIR: keep the run directories]
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import math

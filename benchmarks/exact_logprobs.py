@@ -9,8 +9,6 @@ after step 1 and ``on_over_off`` (target >= 0.85). The setup: docs/exact-logprob
     python benchmarks/exact_logprobs.py --work /tmp/og --modes lora --steps 2 --max-new-tokens 64
 """
 
-from __future__ import annotations
-
 import argparse
 import gc
 import json

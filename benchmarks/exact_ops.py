@@ -8,8 +8,6 @@ a training batch, and the time at both sizes (docs/benchmarks.md, "Methods").
     python benchmarks/exact_ops.py            # needs CUDA
 """
 
-from __future__ import annotations
-
 import json
 import sys
 from collections.abc import Callable

@@ -6,8 +6,6 @@ checkpoints (``checkpoints``): docs/benchmarks.md, "Methods"; the result: docs/e
     uv run python benchmarks/export.py [--workdir /tmp/omni-export-bench] [--layers 2]
 """
 
-from __future__ import annotations
-
 import json
 import shutil
 from pathlib import Path

@@ -6,8 +6,6 @@ Alternating ``copy``, ``copy_in_process`` and ``vl`` extraction of a multi-GB hu
     uv run python benchmarks/extract.py [--workdir /tmp/omni-extract-bench] [--layers 2]
 """
 
-from __future__ import annotations
-
 import shutil
 from functools import partial
 from typing import Any

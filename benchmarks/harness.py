@@ -28,8 +28,6 @@ The baseline a figure is compared with is measured in the same run, never hard-c
 a number from another day measures the other day's load.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json

@@ -7,8 +7,6 @@ samples/s, peak memory, trainable parameters, optimizer state, and LoRA's ratios
     uv run python benchmarks/lora.py --steps 5 --rank 16
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import tempfile

@@ -10,8 +10,6 @@ the method: docs/one-gpu-lora.md, "The memory model (measured)".
 Children run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set otherwise.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os

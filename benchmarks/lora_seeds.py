@@ -9,8 +9,6 @@ LoRA / full ratios of the mean wall and CPU time on the seeds both ran. Minutes 
         [--set algo.kl_type=full ...] [--work DIR]
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Any
 

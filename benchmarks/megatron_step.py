@@ -8,8 +8,6 @@ second GPU against one raw NCCL broadcast of the same bytes (docs/benchmarks.md,
     python benchmarks/megatron_step.py [--layers 4 --batch 4 --seq 2048]
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import statistics

@@ -17,8 +17,6 @@ Prints ONE JSON object.
         --group 2 --max-new-tokens 4 --image-size 64 --audio-seconds 2 --video-frames 4 --steps 1
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json

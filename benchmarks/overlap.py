@@ -6,8 +6,6 @@ on-policy loop (``0``) on ``examples/tiny.yaml``, per pair: ``sglang``, ``sglang
         [--work DIR] [--set trainer.device=cuda ...]
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import subprocess

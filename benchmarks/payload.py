@@ -6,8 +6,6 @@ for the original design, ours (bf16, encoded once) and ``ours_fp32``: docs/bench
     uv run python benchmarks/payload.py [--group 8] [--cases image,video32,video64,audio30s]
 """
 
-from __future__ import annotations
-
 import base64
 import gc
 import json

@@ -5,8 +5,6 @@ draw random weights at these sizes (reference/qwen3_omni_layout.md §3.1), usual
 decoder layers; the tokenizer, processor and sideband come from :func:`make_skeleton`.
 """
 
-from __future__ import annotations
-
 import shutil
 from pathlib import Path
 

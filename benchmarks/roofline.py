@@ -6,8 +6,6 @@ matmuls. Sizes come from the checkpoint's config so that the same model serves e
 width; ``harness.device_limits`` gives the rates they are divided by.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 

@@ -8,8 +8,6 @@ nothing from intra-op threads on a shared box (``--threads 0``: torch's default)
     uv run python benchmarks/rope.py [--repeats 40] [--device cpu|cuda] [--threads N]
 """
 
-from __future__ import annotations
-
 import statistics
 
 import harness

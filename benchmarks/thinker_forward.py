@@ -7,8 +7,6 @@ get the same tensors; the max logit difference is reported, then each forward is
     uv run python benchmarks/thinker_forward.py [--repeats 20] [--device cpu|cuda] [--threads 1]
 """
 
-from __future__ import annotations
-
 import json
 import statistics
 import tempfile

@@ -4,8 +4,6 @@ Random weights at the released widths (``released.py``) drawn directly on the de
 weightless ``vl`` directory, wrapped as the trainer wraps a loaded checkpoint; synthetic media.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import shutil

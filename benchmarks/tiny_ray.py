@@ -6,8 +6,6 @@ mean ``time/*`` per step, and the machine's load (on 2 cores the actors compete 
     uv run python benchmarks/tiny_ray.py [--steps 200] [--work DIR]
 """
 
-from __future__ import annotations
-
 import os
 import tempfile
 from pathlib import Path

@@ -11,8 +11,6 @@ the config, tokenizer and processor of (default: made by the tiny factory).
         --prompts 2 --steps 2 --warmup 1 --layers 2                      # CPU smoke run
 """
 
-from __future__ import annotations
-
 import argparse
 import copy
 import json

@@ -6,8 +6,6 @@ A synthetic pseudo-VL text model of ``--mb`` MiB into one receiver process: docs
     uv run python benchmarks/weight_sync.py [--mb 256] [--bucket-mb 64] [--repeats 3]
 """
 
-from __future__ import annotations
-
 import multiprocessing as mp
 import tempfile
 from pathlib import Path
