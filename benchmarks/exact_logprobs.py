@@ -46,9 +46,8 @@ def run_one(
         samples, _ = rig.samples(Path(args.work), args.prompts, KINDS, args.image_size, question)
         prompts = [builder.build(s, "/") for s in samples]
         eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
-        lora = None
-        if mode == "lora":
-            lora = LoraConfig(rank=16, alpha=32.0, targets=["attention", "experts"])
+        lora = LoraConfig(rank=16, alpha=32.0, targets=["attention", "experts"])
+        lora = lora if mode == "lora" else None
         mb = {k: vars(args)[k] for k in ("micro_batch_size", "micro_batch_tokens")}
         backend = rig.trainer(thinker, device, pad, lora, 0.01, lr=1e-5 if lora else 1e-6, **mb)
         switched = enable_exact_logprobs(thinker) if exact else {}
@@ -91,16 +90,11 @@ def run_one(
         adv = rig.advantages(groups, args.group)
         batch = GRPOBatch(groups, adv, temperature=sampling.temperature)
         harness.profile_table(partial(backend.step, batch), out / f"profile_{tag}.txt")
-    timed = steps[1:] or steps
-    rows = args.prompts * args.group
-    out = {
-        "build_s": round(build.s, 1),
-        "switched": switched,
-        "steps": steps,
-        "samples_per_s": rows * len(timed) / sum(s["step_s"] for s in timed),
-        "exact_fraction_min": min(float(s["exact_fraction"]) for s in steps),
-        "abs_diff_max": max(float(s["abs_diff"]) for s in steps),
-    }
+    timed, rows = steps[1:] or steps, args.prompts * args.group
+    out = {"build_s": round(build.s, 1), "switched": switched, "steps": steps}
+    out["samples_per_s"] = rows * len(timed) / sum(s["step_s"] for s in timed)
+    out["exact_fraction_min"] = min(float(s["exact_fraction"]) for s in steps)
+    out["abs_diff_max"] = max(float(s["abs_diff"]) for s in steps)
     del backend, engine, thinker
     gc.collect()
     torch.cuda.empty_cache()
@@ -120,15 +114,10 @@ def main() -> None:
     work = Path(args.work)
     skeleton = released.make_skeleton(work / "skeleton")
     vl_dir, cfg = rig.vl_dir_at(skeleton, work / f"vl-{args.layers}", args.layers, "real")
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "config": {k: v for k, v in vars(args).items() if k not in ("work", "save")},
-        "modes": {},
-    }
+    config = {k: v for k, v in vars(args).items() if k not in ("work", "save")}
+    result = {"device": torch.cuda.get_device_name(), "config": config, "modes": {}}
     for mode in args.modes.split(","):
-        runs = {}
-        for exact in (False, True):
-            runs["on" if exact else "off"] = run_one(args, cfg, vl_dir, mode, exact)
+        runs = {k: run_one(args, cfg, vl_dir, mode, k == "on") for k in ("off", "on")}
         runs["on_over_off"] = runs["on"]["samples_per_s"] / runs["off"]["samples_per_s"]
         result["modes"][mode] = runs
     harness.emit("exact_logprobs", result, args.save)

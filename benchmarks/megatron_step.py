@@ -78,17 +78,11 @@ def bench_step(
     med, tokens = statistics.median(times), args.batch * args.seq
     sizes = roofline.text_sizes({"text_config": cfg}, 0, [])  # causal attention, all logits
     flops = 3 * roofline.forward_flops(sizes, [args.seq] * args.batch, tokens)
-    out = {
-        "experts": impl,
-        "loss": args.loss,
-        "step_s_median": med,
-        "step_s_all": times,
-        "tokens_per_s": tokens / med,
-        "model_tflops": flops / med / 1e12,
-        "mfu_vs_989": flops / med / PEAK_BF16,
-        "peak_mem_gib": harness.peak_bytes(device) / harness.GIB,
-        "params": sum(p.numel() for p in lm.parameters()),
-    }
+    out = {"experts": impl, "loss": args.loss, "step_s_median": med, "step_s_all": times}
+    out |= {"tokens_per_s": tokens / med, "model_tflops": flops / med / 1e12}
+    out |= {"mfu_vs_989": flops / med / PEAK_BF16}
+    out["peak_mem_gib"] = harness.peak_bytes(device) / harness.GIB
+    out["params"] = sum(p.numel() for p in lm.parameters())
     if args.profile and impl == "grouped":
         out["top_kernels_ms"] = profile_step(th, ids, pos, args.loss)
     state = {"lm": lm, "th": th, "args": margs} if impl == "grouped" else None
@@ -115,16 +109,12 @@ def bench_sync(state: Any, device: torch.device, bucket_mb: int) -> dict[str, An
     raw_broadcast(group, store, timed["bytes"], device, 2)
     raw = raw_broadcast(group, store, timed["bytes"], device, 3)
     proc.wait(timeout=300)
-    return {k: timed[k] for k in ("bytes", "tensors", "buckets")} | {
-        "bucket_mb": bucket_mb,
-        "sync_s": timed["seconds"],
-        "sync_gbps": timed["bytes"] / timed["seconds"] / 1e9,
-        "raw_broadcast_s": raw,
-        "raw_gbps": timed["bytes"] / raw / 1e9,
-        "sync_vs_raw": raw / timed["seconds"],
-        "warmup_sync_s": warm["seconds"],
-        "receiver_tensors": timed["receiver"]["tensors"],
-    }
+    out = {k: timed[k] for k in ("bytes", "tensors", "buckets")} | {"bucket_mb": bucket_mb}
+    sync_s, nbytes = timed["seconds"], timed["bytes"]
+    out |= {"sync_s": sync_s, "sync_gbps": nbytes / sync_s / 1e9, "raw_broadcast_s": raw}
+    out |= {"raw_gbps": nbytes / raw / 1e9, "sync_vs_raw": raw / sync_s}
+    out |= {"warmup_sync_s": warm["seconds"]}
+    return out | {"receiver_tensors": timed["receiver"]["tensors"]}
 
 
 def main() -> None:
@@ -141,15 +131,12 @@ def main() -> None:
     init_parallel(MegatronConfig())
     device = torch.device("cuda", torch.cuda.current_device())
     limits = harness.device_limits(device)
-    result: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(device),
-        "config": {k: vars(args)[k] for k in ("layers", "batch", "seq")}
-        | {"hidden": TEXT["hidden_size"], "expert_ffn": TEXT["moe_intermediate_size"]}
-        | {"experts": f"{TEXT['num_experts']} top-{TEXT['num_experts_per_tok']}"}
-        | {"vocab": VOCAB, "dtype": "bf16"},
-        "matmul_8192_tflops": limits["matmul_flops_per_s"] / 1e12,
-        "limits": limits,
-    }
+    config = {k: vars(args)[k] for k in ("layers", "batch", "seq")}
+    config |= {"hidden": TEXT["hidden_size"], "expert_ffn": TEXT["moe_intermediate_size"]}
+    config |= {"experts": f"{TEXT['num_experts']} top-{TEXT['num_experts_per_tok']}"}
+    config |= {"vocab": VOCAB, "dtype": "bf16"}
+    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device), "config": config}
+    result |= {"matmul_8192_tflops": limits["matmul_flops_per_s"] / 1e12, "limits": limits}
     torch.cuda.empty_cache()  # the limits' buffers are no step's
     harness.peak_bytes(device, reset=True)
     seq, _ = bench_step(args, "sequential", device)
