@@ -29,7 +29,7 @@ def measure(fn: Any, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, A
     return {"saved": sum(seen.values()), "s": t.s, "out": out.detach(), "grad": x.grad.float()}
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__).parse_args()
     torch.manual_seed(0)
     logits = (torch.randn(ROWS, VOCAB) * 3).to(torch.bfloat16)
@@ -52,7 +52,3 @@ def main() -> None:
     record["max_abs_diff_grad"] = float((ours["grad"] - base["grad"]).abs().max())
     record["torch_threads"] = torch.get_num_threads()
     harness.emit("core_logprobs", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

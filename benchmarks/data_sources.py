@@ -190,14 +190,14 @@ def stream(spec: Path, model_dir: Path, limit: int = 0) -> dict[str, Any]:
     return harness.child_json(argv)
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, rows_per_task=40, repeats=5, stream_gb=2.2, tmp=Path)
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(1)
     if args.child:
         print(json.dumps(child_stream(args.child[0], args.child[1], int(args.child[2]))))
-        return
+        sys.exit()
     from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 
     if args.tmp is not None:  # e.g. --tmp /tmp/bench on a fresh machine: make it, as -p would
@@ -225,7 +225,3 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     harness.emit("data_sources", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -72,11 +72,7 @@ def run(args: Any) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, rows=[64, 256], positions=[1, 256, 511], prompt=411, max_new=512)
     args = harness.add_options(ap, bucket=128, layers=8).parse_args()
     harness.emit("decode_attention", run(args), args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -191,7 +191,7 @@ def passed(runs: list[dict[str, Any]]) -> str:
     return f"{sum(bool(r.get('pass')) for r in runs)}/{len(runs)}"
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, config=REPO / "examples" / "tiny.yaml", seeds="0-4", threads="1,2")
     harness.add_options(ap, baseline_seeds="0", baseline_threads="1,2", work=Path)  # '': none
     ap.add_argument("--baseline", choices=sorted(BASELINES), default="main")
@@ -227,7 +227,3 @@ def main() -> None:
     found = [(r, c) for r in runs["recipe"] for c in r.get("collapses", [])]
     out["collapses"] = [{"seed": r["seed"], "threads": r["threads"], **c} for r, c in found]
     harness.emit("demo_seeds", out | {"by_threads": by_threads, "runs": runs}, args.save)
-
-
-if __name__ == "__main__":
-    main()

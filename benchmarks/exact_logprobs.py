@@ -101,7 +101,7 @@ def run_one(
     return out
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, work="/tmp/exact_logprobs", layers=4, prompts=8, group=8)
     harness.add_options(ap, max_new_tokens=256, image_size=448, audio_seconds=30.0)
     harness.add_options(ap, video_frames=16, video_size=224, micro_batch_size=16)
@@ -121,7 +121,3 @@ def main() -> None:
         runs["on_over_off"] = runs["on"]["samples_per_s"] / runs["off"]["samples_per_s"]
         result["modes"][mode] = runs
     harness.emit("exact_logprobs", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

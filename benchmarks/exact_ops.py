@@ -233,7 +233,7 @@ def attention(dev: torch.device) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("exact_ops.py needs a CUDA device")
@@ -248,7 +248,3 @@ def main() -> None:
             result[name] = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     harness.emit("exact_ops", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -46,7 +46,7 @@ def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = ck.options(__doc__, "export").parse_args()
     work, shard = args.workdir, args.shard_mb * 1000**2
     base, run = work / "omni-base", work / "run"
@@ -99,7 +99,3 @@ def main() -> None:
     if not args.keep:
         shutil.rmtree(work)
     harness.emit("export", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

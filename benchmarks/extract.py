@@ -13,8 +13,7 @@ from typing import Any
 import checkpoints as ck
 import harness
 
-
-def main() -> None:
+if __name__ == "__main__":
     args = harness.add_options(ck.options(__doc__, "extract"), skip_naive=False).parse_args()
     shard, work, src = args.shard_mb * 1000**2, args.workdir, args.workdir / "omni-src"
     if src.exists() and not (src / "config.json").exists():
@@ -74,7 +73,3 @@ def main() -> None:
     if not args.keep:
         shutil.rmtree(work)
     harness.emit("extract", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

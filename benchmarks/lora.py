@@ -9,6 +9,7 @@ samples/s, peak memory, trainable parameters, optimizer state, and LoRA's ratios
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,13 @@ def variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, f
     }
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, steps=5, rank=16, device=("cpu", "cuda", "auto"))
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant is not None:  # a child: one variant, one JSON line
         print(json.dumps(variant(json.loads(args.variant), args.steps, args.device)))
-        return
+        sys.exit()
     lora = {"rank": args.rank, "alpha": 2 * args.rank}
     lora["targets"] = ["attention", "experts", "visual", "lm_head"]
     full, adapted = (harness.rerun("--variant", json.dumps(v)) for v in (None, lora))
@@ -68,7 +69,3 @@ def main() -> None:
         "trainable_params_ratio": adapted["trainable_params"] / full["trainable_params"],
     }
     harness.emit("lora", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -120,7 +120,7 @@ def child(layers: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
+if __name__ == "__main__":
     # --skeleton: a dir with an extracted vl/ + audio/ pair; --layers: the fit's depths; --deep 0:
     # no deep run; --deep-fallback: the depths tried in order if --deep runs out of memory
     ap = harness.parser(__doc__, work="/tmp/lora_memory", skeleton=str, device="cuda")
@@ -133,7 +133,7 @@ def main() -> None:
     harness.torch_threads(4)
     if args.child is not None:
         print(json.dumps(run_depth(args, args.child)), flush=True)
-        return
+        sys.exit()
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,3 @@ def main() -> None:
     record |= {"config": config, "fit": models, "deep": comparison, "runs": runs, "deep_run": deep}
     record |= {"wall_s": round(time.perf_counter() - t0, 1), "versions": harness.versions("peft")}
     harness.emit("lora_memory", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

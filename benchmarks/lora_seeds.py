@@ -15,8 +15,7 @@ from typing import Any
 import harness
 from demo_seeds import REPO, by_kind, parse_ints, passed, record, summarise, sweep
 
-
-def main() -> None:
+if __name__ == "__main__":
     examples = REPO / "examples"
     ap = harness.parser(__doc__, config=examples / "tiny-lora.yaml", seeds="0-4", threads="1")
     harness.add_options(ap, baseline_config=examples / "tiny.yaml", baseline_seeds="0", work=Path)
@@ -48,7 +47,3 @@ def main() -> None:
     facts = {"baseline_config": str(args.baseline_config), "overrides": args.overrides}
     out = record(args, order, runs, interrupted, **facts)
     harness.emit("lora_seeds", out | {"by_threads": by_threads, "runs": runs}, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -117,7 +117,7 @@ def bench_sync(state: Any, device: torch.device, bucket_mb: int) -> dict[str, An
     return out | {"receiver_tensors": timed["receiver"]["tensors"]}
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, layers=4, batch=4, seq=2048, iters=6, bucket_mb=512)
     # --profile: a CUDA time per kernel of one grouped step; --big-batch 0: no big-batch run
     harness.add_options(ap, no_sync=False, profile=False, big_batch=8)
@@ -152,7 +152,3 @@ def main() -> None:
         big = argparse.Namespace(**{**vars(args), "batch": args.big_batch})
         result[f"grouped_batch{args.big_batch}"], _ = bench_step(big, "grouped", device)
     harness.emit("megatron_step", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

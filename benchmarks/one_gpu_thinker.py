@@ -323,7 +323,7 @@ def profile_generation(
         harness.profile_table(generate, dst.with_name(dst.name + ".generation.txt"))
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, work="/tmp/one_gpu_thinker", device="cuda")
     harness.add_options(ap, widths=("real", "tiny"), layers=released.LAYERS, prompts=8, group=8)
     harness.add_options(ap, max_new_tokens=512, image_size=448, video_size=224)
@@ -351,7 +351,3 @@ def main() -> None:
     args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
     harness.torch_threads(4)
     harness.emit("one_gpu_thinker", run(args), args.save)
-
-
-if __name__ == "__main__":
-    main()

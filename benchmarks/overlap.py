@@ -214,7 +214,7 @@ def ratios(pair: dict[str, Any]) -> dict[str, Any]:
     return out | {"ideal_steady_ratio": round(ideal, 3)} | pair
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, steps=24, pairs="sglang,sglang_trainer_actor,ray", work=Path)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="for every run")
     args = ap.parse_args()
@@ -245,7 +245,3 @@ def main() -> None:
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     result["torch_threads"] = int(os.environ["OMNI_GRPO_TORCH_THREADS"])
     harness.emit("overlap", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

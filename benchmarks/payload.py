@@ -136,7 +136,7 @@ def run_case(name: str, n: int, rng: np.random.Generator) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+if __name__ == "__main__":
     cases = "image,video32,video64,audio30s"
     args = harness.parser(__doc__, group=8, cases=cases, seed=0).parse_args()  # group: requests
     rng = np.random.default_rng(args.seed)
@@ -156,7 +156,3 @@ def main() -> None:
             "bytes_ratio_le_0_5": bytes_ratio <= 0.5,
         }
     harness.emit("payload", report, args.save)
-
-
-if __name__ == "__main__":
-    main()

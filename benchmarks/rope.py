@@ -41,7 +41,7 @@ def build_batch(config: OmniRopeConfig, batch: int, device: str) -> tuple[torch.
     return tuple(t.to(device) for t in (ids, mask, grids, spgs, frames))
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__, repeats=40, batch=8, device="cpu", threads=1).parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,7 +88,3 @@ def main() -> None:
         **extra,
     }
     harness.emit("rope", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

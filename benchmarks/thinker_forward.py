@@ -30,7 +30,7 @@ def samples(batch: int) -> list[list[tuple]]:
     ]
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__, repeats=20, batch=8, device="cpu", threads=1).parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,7 +66,3 @@ def main() -> None:
         "speedup_median": round(ms["b"][1] / ms["o"][1], 3),
     }
     harness.emit("thinker_forward", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -33,7 +33,7 @@ def run(config: str, run_dir: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__, steps=200, work=Path).parse_args()
     os.environ.setdefault("OMNI_GRPO_TORCH_THREADS", "1")
     work = args.work or Path(tempfile.mkdtemp(prefix="tiny-ray-bench-"))
@@ -50,7 +50,3 @@ def main() -> None:
         "torch_threads": int(os.environ["OMNI_GRPO_TORCH_THREADS"]),
     }
     harness.emit("tiny_ray", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -18,6 +18,7 @@ import os
 import pickle
 import shutil
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +235,7 @@ def summary(args: argparse.Namespace, ends: list[float], tokens: list[int]) -> d
     }
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, work="/tmp/vs_trl", skeleton=str, device="cuda", layers=4)
     harness.add_options(ap, image_size=448, video_size=224, frames=8, fps=2.0, prompts=4, group=8)
     harness.add_options(ap, max_new_tokens=256, lr=1e-6, steps=4, warmup=1, seed=0)
@@ -249,7 +250,7 @@ def main() -> None:
         torch.manual_seed(args.seed)
         result = run_ours(args, vl, audio, rows) if args.side == "ours" else run_trl(args, vl, rows)
         print(json.dumps(result), flush=True)
-        return
+        sys.exit()
     work.mkdir(parents=True, exist_ok=True)
     with harness.timed() as prep:
         skeleton = Path(args.skeleton or released.make_skeleton(work / "skeleton"))
@@ -276,7 +277,3 @@ def main() -> None:
         if ours.get("peak_gpu_mem_gib") and theirs.get("peak_gpu_mem_gib"):
             result["ratio_peak_mem"] = ours["peak_gpu_mem_gib"] / theirs["peak_gpu_mem_gib"]
     harness.emit("vs_trl", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

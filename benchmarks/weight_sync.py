@@ -76,7 +76,7 @@ def raw_broadcast(
     return t.s
 
 
-def main() -> None:
+if __name__ == "__main__":
     backends = ("nccl", "gloo") if torch.cuda.device_count() >= 2 else ("gloo", "nccl")
     ap = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3, backend=backends)
     args = ap.parse_args()
@@ -128,7 +128,3 @@ def main() -> None:
         "repeats": args.repeats,
     }
     harness.emit("weight_sync", record, args.save)
-
-
-if __name__ == "__main__":
-    main()
