@@ -39,12 +39,11 @@ def variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, f
     with harness.timed(backend.device) as t:
         for _ in range(steps):
             backend.step(batch)
-    return {
-        "samples_per_s": sum(len(g) for g in groups) * steps / t.s,
-        "peak_memory_mb": harness.peak_bytes(backend.device) / 2**20,
-        "trainable_params": float(sum(p.numel() for p in backend.params)),
-        "optimizer_state_mb": harness.nbytes(harness.state_tensors(backend.optimizer)) / 2**20,
-    }
+    out = {"samples_per_s": sum(len(g) for g in groups) * steps / t.s}
+    out["peak_memory_mb"] = harness.peak_bytes(backend.device) / 2**20
+    out["trainable_params"] = float(sum(p.numel() for p in backend.params))
+    out["optimizer_state_mb"] = harness.nbytes(harness.state_tensors(backend.optimizer)) / 2**20
+    return out
 
 
 if __name__ == "__main__":
@@ -57,15 +56,8 @@ if __name__ == "__main__":
     lora = {"rank": args.rank, "alpha": 2 * args.rank}
     lora["targets"] = ["attention", "experts", "visual", "lm_head"]
     full, adapted = (harness.rerun("--variant", json.dumps(v)) for v in (None, lora))
-    record = {
-        "benchmark": "lora_vs_full",
-        "device": args.device,
-        "steps": args.steps,
-        "lora": lora,
-        "full": full,
-        "lora_run": adapted,
-        "samples_per_s_ratio": adapted["samples_per_s"] / full["samples_per_s"],
-        "peak_memory_ratio": adapted["peak_memory_mb"] / full["peak_memory_mb"],
-        "trainable_params_ratio": adapted["trainable_params"] / full["trainable_params"],
-    }
+    record = {"benchmark": "lora_vs_full", "device": args.device, "steps": args.steps, "lora": lora}
+    record |= {"full": full, "lora_run": adapted}
+    for key in ("samples_per_s", "peak_memory_mb", "trainable_params"):
+        record[f"{key.removesuffix('_mb')}_ratio"] = adapted[key] / full[key]
     harness.emit("lora", record, args.save)

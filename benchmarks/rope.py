@@ -72,19 +72,15 @@ if __name__ == "__main__":
         core.HOST_MAX_TOKENS = saved
         assert torch.equal(dpos, rpos) and torch.equal(ddelta, rdelta), "on-device results differ"
         extra = {"omni_rope_on_device_ms": round(min(t_dev) * 1e3, 3)}
-    best, med = (min(t_ours), min(t_ref)), (statistics.median(t_ours), statistics.median(t_ref))
     record = {"device": args.device, "torch_threads": torch.get_num_threads(), "batch": args.batch}
-    record |= {
-        "seq_len": ids.shape[1],
-        "video_tokens_per_row": int((ids[0] == config.video_token_id).sum()),
-        "audio_tokens_per_row": int((ids[0] == config.audio_token_id).sum()),
-        "omni_rope_ms": round(best[0] * 1e3, 3),
-        "reference_ms": round(best[1] * 1e3, 3),
-        "speedup": round(best[1] / best[0], 1),
-        "omni_rope_median_ms": round(med[0] * 1e3, 3),
-        "reference_median_ms": round(med[1] * 1e3, 3),
-        "speedup_median": round(med[1] / med[0], 1),
-        "identical": True,
-        **extra,
-    }
+    record["seq_len"] = ids.shape[1]
+    for kind in ("video", "audio"):
+        record[f"{kind}_tokens_per_row"] = int(
+            (ids[0] == getattr(config, f"{kind}_token_id")).sum()
+        )
+    for tag, stat in (("", min), ("_median", statistics.median)):
+        ms = [stat(t_ours) * 1e3, stat(t_ref) * 1e3]
+        record |= {f"omni_rope{tag}_ms": round(ms[0], 3), f"reference{tag}_ms": round(ms[1], 3)}
+        record[f"speedup{tag}"] = round(ms[1] / ms[0], 1)
+    record |= {"identical": True, **extra}
     harness.emit("rope", record, args.save)

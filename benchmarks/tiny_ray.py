@@ -25,12 +25,9 @@ def run(config: str, run_dir: Path, steps: int) -> dict[str, Any]:
     with harness.timed() as wall:
         result = train(cfg, progress=False)
     records = [r for r in harness.train_metrics(run_dir) if r["step"] > 0]
-    return {
-        "wall_s": round(wall.s, 2),
-        "steps": result.steps,
-        "final_eval": {k.rsplit("/", 1)[-1]: v for k, v in result.final_eval.items()},
-        "mean_per_step": harness.means(records, TIMES),
-    }
+    out = {"wall_s": round(wall.s, 2), "steps": result.steps}
+    out["final_eval"] = {k.rsplit("/", 1)[-1]: v for k, v in result.final_eval.items()}
+    return out | {"mean_per_step": harness.means(records, TIMES)}
 
 
 if __name__ == "__main__":
@@ -39,14 +36,8 @@ if __name__ == "__main__":
     work = args.work or Path(tempfile.mkdtemp(prefix="tiny-ray-bench-"))
     baseline = run("tiny.yaml", work / "tiny", args.steps)
     ray_run = run("tiny-ray.yaml", work / "tiny-ray", args.steps)
-    record = {
-        "steps": args.steps,
-        "baseline": baseline,
-        "ray": ray_run,
-        "ratio": round(ray_run["wall_s"] / baseline["wall_s"], 3),
-        "target_ratio": 1.5,
-        "cpus": os.cpu_count(),
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-        "torch_threads": int(os.environ["OMNI_GRPO_TORCH_THREADS"]),
-    }
+    record = {"steps": args.steps, "baseline": baseline, "ray": ray_run}
+    record |= {"ratio": round(ray_run["wall_s"] / baseline["wall_s"], 3), "target_ratio": 1.5}
+    record |= {"cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]}
+    record["torch_threads"] = int(os.environ["OMNI_GRPO_TORCH_THREADS"])
     harness.emit("tiny_ray", record, args.save)

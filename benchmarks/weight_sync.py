@@ -18,18 +18,14 @@ def synthetic_state(mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Qwen3-MoE-shaped layers (hidden 1024, 16 experts of 512) until ~``mb`` MiB."""
     h, inter, e, heads, kv, hd, vocab = 1024, 512, 16, 8, 2, 128, 32000
     g = torch.Generator().manual_seed(0)
-    shapes = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (heads * hd, h),
-        "self_attn.k_proj.weight": (kv * hd, h),
-        "self_attn.v_proj.weight": (kv * hd, h),
-        "self_attn.o_proj.weight": (h, heads * hd),
-        "self_attn.q_norm.weight": (hd,),
-        "self_attn.k_norm.weight": (hd,),
-        "mlp.gate.weight": (e, h),
-        "mlp.experts.gate_up_proj": (e, 2 * inter, h),  # in-memory [E, 2I, H]
-        "mlp.experts.down_proj": (e, h, inter),  # in-memory [E, H, I]
+    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    shapes |= {"self_attn.q_proj.weight": (heads * hd, h), "self_attn.k_proj.weight": (kv * hd, h)}
+    shapes |= {"self_attn.v_proj.weight": (kv * hd, h), "self_attn.o_proj.weight": (h, heads * hd)}
+    shapes |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    shapes |= {"mlp.gate.weight": (e, h)}  # the experts in memory layout: [E, 2I, H], [E, H, I]
+    shapes |= {
+        "mlp.experts.gate_up_proj": (e, 2 * inter, h),
+        "mlp.experts.down_proj": (e, h, inter),
     }
     lm = "model.language_model."
     top = {lm + "embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h)}
@@ -93,19 +89,17 @@ if __name__ == "__main__":
     bucket_bytes = args.bucket_mb << 20
     server_tensors = list(to_server_tensors(state.items(), "hf_memory"))
     with tempfile.TemporaryDirectory() as tmp:
-        raw = [
-            raw_broadcast(server_tensors, bucket_bytes, args.backend, device, Path(tmp) / f"raw{i}")
-            for i in range(args.repeats)
-        ]
-        ours = []
+        raw, ours = [], []
+        for i in range(args.repeats):
+            dst = Path(tmp) / f"raw{i}"
+            raw.append(raw_broadcast(server_tensors, bucket_bytes, args.backend, device, dst))
         with (
             FakeOmniServer() as server,
             ServerSideReceivers([server], Path(tmp) / "recv", args.backend, save=False) as rx,
         ):
             cfg = SglangOmniConfig(urls=[server.url], sync_mode="distributed")
-            sync = make_weight_sync(
-                cfg, run_dir=Path(tmp), backend=args.backend, bucket_bytes=bucket_bytes
-            )
+            kw = {"run_dir": Path(tmp), "backend": args.backend, "bucket_bytes": bucket_bytes}
+            sync = make_weight_sync(cfg, **kw)
             try:
                 sync.push(state, "warmup")  # group setup (once per run) is not a per-step cost
                 for i in range(args.repeats):
@@ -117,14 +111,9 @@ if __name__ == "__main__":
         assert not rx.errors, rx.errors
     best_raw, best_ours = min(raw), min(ours)
     record = {"backend": args.backend, "bytes": nbytes, "tensors": report.tensors}
-    record |= {
-        "buckets": report.buckets,
-        "bucket_mb": args.bucket_mb,
-        "baseline_raw_broadcast_s": best_raw,
-        "baseline_raw_broadcast_gbps": nbytes / best_raw / 1e9,
-        "ours_push_s": best_ours,
-        "ours_push_gbps": nbytes / best_ours / 1e9,
-        "ratio": best_raw / best_ours,
-        "repeats": args.repeats,
-    }
+    record |= {"buckets": report.buckets, "bucket_mb": args.bucket_mb}
+    record |= {"baseline_raw_broadcast_s": best_raw}
+    record |= {"baseline_raw_broadcast_gbps": nbytes / best_raw / 1e9, "ours_push_s": best_ours}
+    record |= {"ours_push_gbps": nbytes / best_ours / 1e9, "ratio": best_raw / best_ours}
+    record["repeats"] = args.repeats
     harness.emit("weight_sync", record, args.save)
