@@ -179,8 +179,12 @@ def generated(facts: Path, make: Callable[[], dict[str, Any]]) -> tuple[dict[str
     return json.loads(facts.read_text()), t.s
 
 
-def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "load_avg_1min_at_end": os.getloadavg()[0]}
+def finish(name: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The machine added; ``--workdir`` deleted (unless ``--keep``); the record emitted."""
+    result["machine"] = {"cpus": os.cpu_count(), "load_avg_1min_at_end": os.getloadavg()[0]}
+    if not args.keep:
+        shutil.rmtree(args.workdir)
+    harness.emit(name, result, args.save)
 
 
 # --------------------------------------------------------------------------------- the children
