@@ -22,7 +22,7 @@ puts the script's folder on ``sys.path``, so ``import harness`` works from any w
     harness.train_metrics(run_dir)          # a training run's metrics.jsonl; means(rows, keys)
     harness.versions("peft")                # python, git commit, GPU, torch, transformers, triton
     harness.emit(NAME, record, args.save)   # print (+ "benchmark", "versions"); --save MACHINE
-                                            # also writes results_path(NAME, MACHINE)
+                                            # also writes benchmarks/results/NAME_MACHINE.json
 
 The baseline a figure is compared with is measured in the same run, never hard-coded: a ratio to
 a number from another day measures the other day's load.
@@ -51,12 +51,8 @@ GIB = 1 << 30
 def parser(doc: str | None, **options: Any) -> argparse.ArgumentParser:
     """The script's docstring's first paragraph, ``--save MACHINE`` and :func:`add_options`."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    ap.add_argument(
-        "--save",
-        metavar="MACHINE",
-        type=machine_name,
-        help="also write benchmarks/results/NAME_MACHINE.json",
-    )
+    save = "also write benchmarks/results/NAME_MACHINE.json"
+    ap.add_argument("--save", metavar="MACHINE", type=machine_name, help=save)
     return add_options(ap, **options)
 
 
@@ -90,19 +86,16 @@ def machine_name(text: str) -> str:
     return text
 
 
-def results_path(name: str, machine: str) -> Path:
-    """``benchmarks/results/<name>_<machine>.json``: what ran, then where (``h200``)."""
-    return REPO / "benchmarks" / "results" / f"{name}_{machine}.json"
-
-
 def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
     """Print ``record`` as ONE JSON line with ``benchmark`` (unless it names itself) and
     ``versions`` (its own entries win) added; with ``save`` also as the results file."""
     out = {"benchmark": name, **record}
     out["versions"] = versions() | (out.get("versions") or {})
     print(json.dumps(out), flush=True)  # first: a failed save does not lose the result
-    if save:
-        results_path(name, save).write_text(json.dumps(out, indent=2) + "\n")
+    if save:  # what ran, then where (h200)
+        (REPO / "benchmarks" / "results" / f"{name}_{save}.json").write_text(
+            json.dumps(out, indent=2) + "\n"
+        )
 
 
 # ------------------------------------------------------------------------------------ clocks
@@ -170,18 +163,17 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
     dtype = torch.bfloat16 if cuda else torch.float32
     n, nbytes = (matmul, int(copy_gib * GIB)) if cuda else (min(matmul, 2048), 256 << 20)
     src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device).normal_()
-    dst = torch.empty_like(src)
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in "ab")
+    dst, (a, b) = (
+        torch.empty_like(src),
+        (torch.randn(n, n, dtype=dtype, device=device) for _ in "ab"),
+    )
 
     def rate(fn: Callable[[], Any]) -> float:
         return 1 / statistics.median(gpu_seconds(fn) if cuda else seconds(fn, 5))
 
-    return {
-        "copy_bytes_per_s": 2 * src.numel() * src.element_size() * rate(lambda: dst.copy_(src)),
-        "matmul_flops_per_s": 2 * n**3 * rate(lambda: a @ b),
-        "matmul_dtype": str(dtype).removeprefix("torch."),
-        "matmul_n": n,
-    }
+    out = {"copy_bytes_per_s": 2 * src.numel() * src.element_size() * rate(lambda: dst.copy_(src))}
+    out["matmul_flops_per_s"] = 2 * n**3 * rate(lambda: a @ b)
+    return out | {"matmul_dtype": str(dtype).removeprefix("torch."), "matmul_n": n}
 
 
 def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
@@ -195,14 +187,10 @@ def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
         out = fn()
         if cuda:
             torch.cuda.synchronize()
-    table, width = prof.key_averages(), 70
-    text = table.table(
-        sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=45, max_name_column_width=width
-    )
+    table, width = prof.key_averages(), {"max_name_column_width": 70}
+    text = table.table(sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=45, **width)
     if cuda:
-        text += "\n\n" + table.table(
-            sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=width
-        )
+        text += "\n\n" + table.table(sort_by="self_cpu_time_total", row_limit=25, **width)
     dst.write_text(text)
     return out
 
