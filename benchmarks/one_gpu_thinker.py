@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from omni_grpo.exact.towers import clear_item_caches
     from omni_grpo.types import GRPOBatch, SamplingParams
 
-    work, device = Path(args.work), torch.device(args.device)
-    cuda = device.type == "cuda"
+    work, device, cuda = Path(args.work), torch.device(args.device), args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     skeleton = released.make_skeleton(work / "skeleton")
     limits = harness.device_limits(device)
@@ -72,29 +71,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
 
     builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
-    tok, kinds = builder.tokenizer, ("image", "audio", "video")
-    question = "Describe it in detail."
-    samples, images = rig.samples(
-        work, args.prompts, kinds, args.image_size, question, args.long_prompts
-    )
+    tok, kinds, question = builder.tokenizer, ("image", "audio", "video"), "Describe it in detail."
+    sized = (args.prompts, kinds, args.image_size, question, args.long_prompts)
+    samples, images = rig.samples(work, *sized)
     prompts = [builder.build(s, "/") for s in samples]
     if args.write_run:  # before the trainer wraps the module with its adapters
         import cli_run
 
-        written = cli_run.write_run(
-            args.write_run, thinker, vl_dir, skeleton, samples, images, args
-        )
-        print(f"omni-grpo train --config {written}", file=sys.stderr, flush=True)
+        made = (args.write_run, thinker, vl_dir, skeleton, samples, images, args)
+        print(f"omni-grpo train --config {cli_run.write_run(*made)}", file=sys.stderr, flush=True)
     eos, pad = rig.stop_ids(vl_dir, tok)
     targets = args.targets.split(",")
-    lora = LoraConfig(
-        rank=args.rank, alpha=args.alpha, targets=targets, expert_path=args.expert_path
-    )
-    mb = dict(micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens)
-    policy, compile_ = args.checkpoint_policy, args.compile
-    backend = rig.trainer(
-        thinker, device, pad, lora, 0.01, **mb, checkpoint_policy=policy, compile=compile_
-    )
+    spec = {"rank": args.rank, "alpha": args.alpha, "targets": targets}
+    lora = LoraConfig(**spec, expert_path=args.expert_path)
+    keys = ("micro_batch_size", "micro_batch_tokens", "compile", "checkpoint_policy")
+    backend = rig.trainer(thinker, device, pad, lora, 0.01, **{k: vars(args)[k] for k in keys})
     if args.exact_logprobs:  # rollout.exact_logprobs: the same switch the trainer makes
         from omni_grpo.exact import enable_exact_logprobs
 
@@ -105,10 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return [plan["lengths"][i * n + j] for i in range(len(batch)) for j in range(n)]
 
     def make_engine(batching: str, plan: Any) -> Any:
-        most = args.static_batch_rows if batching == "static" else 512
-        return rig.engine(
-            thinker, eos, device, tok, batching=batching, max_batch_rows=most, length_plan=plan
-        )
+        kw = {"max_batch_rows": args.static_batch_rows if batching == "static" else 512}
+        return rig.engine(thinker, eos, device, tok, batching=batching, length_plan=plan, **kw)
 
     batchings = ["static", "continuous"] if args.batching == "both" else [args.batching]
     engines = {name: make_engine(name, length_plan) for name in batchings}
@@ -121,19 +110,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def partial_plan(batch: list[Any], n: int) -> list[int]:
             return draw_lengths(args.lengths, len(batch) * n, args.max_new_tokens, rng)
 
+        more = lambda k: [next(extra) for _ in range(k)]  # noqa: E731
         inner = make_engine("continuous", partial_plan)
-        engines["partial"] = PartialRollouts(
-            inner, args.extra_groups, lambda k: [next(extra) for _ in range(k)]
-        )
+        engines["partial"] = PartialRollouts(inner, args.extra_groups, more)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     sizes = roofline.text_sizes(cfg, args.rank, targets)
     prompt_lens = [len(p.input_ids) for p in prompts]
     width, rows = max(prompt_lens), args.prompts * args.group
     # decode steps 1..N-1 (the first token comes from the prefill); row r at step t reads width + t keys
-    decode_bytes = sum(
-        roofline.decode_step_bytes(sizes, rows, rows * (width + t))
-        for t in range(1, args.max_new_tokens)
-    )
+    steps_kv = [rows * (width + t) for t in range(1, args.max_new_tokens)]
+    decode_bytes = sum(roofline.decode_step_bytes(sizes, rows, kv) for kv in steps_kv)
     prefill_flops = roofline.forward_flops(sizes, [width] * args.prompts, args.prompts)
     copy_rate, matmul_rate = limits["copy_bytes_per_s"], limits["matmul_flops_per_s"]
     roofline_s = decode_bytes / copy_rate + prefill_flops / matmul_rate
@@ -144,13 +130,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peak = 0.0
     for _ in range(args.steps):
         harness.peak_bytes(device, reset=True)
-        plan["lengths"] = draw_lengths(
-            args.lengths, rows, args.max_new_tokens, args.seed * 1000 + len(steps)
-        )
-        var_roofline_s = (
-            roofline.variable_decode_bytes(sizes, row_prompt_lens, plan["lengths"]) / copy_rate
-            + prefill_flops / matmul_rate
-        )
+        seed = args.seed * 1000 + len(steps)
+        plan["lengths"] = draw_lengths(args.lengths, rows, args.max_new_tokens, seed)
+        var_bytes = roofline.variable_decode_bytes(sizes, row_prompt_lens, plan["lengths"])
+        var_roofline_s = var_bytes / copy_rate + prefill_flops / matmul_rate
         by_engine: dict[str, dict[str, Any]] = {}
         for name, engine in engines.items():
             # the same prompts every step: each rollout drops the towers' items (exact logprobs
@@ -165,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 engine_roofline_s = partial_roofline_s(engine, sizes, copy_rate, matmul_rate)
             rec = {"generation_s": round(gen.s, 3), "new_tokens": made}
             rec |= {"tokens_per_s": round(made / gen.s, 1)}
-            rec |= {"variable_roofline_ratio": round(engine_roofline_s / gen.s, 4)}
+            rec["variable_roofline_ratio"] = round(engine_roofline_s / gen.s, 4)
             rec["peak_gib"] = round(harness.peak_bytes(device) / GIB, 2) if cuda else None
             by_engine[name] = rec | ({"partial": stats} if stats else {})
             print(json.dumps({name: by_engine[name]}), file=sys.stderr, flush=True)
@@ -183,9 +166,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         train_seqs = [len(c.prompt.input_ids) + len(c.token_ids) for gr in groups for c in gr]
         fwd = roofline.forward_flops(sizes, train_seqs, new_tokens)
         # reference + policy forward + activation-gradient backward, and the recompute
-        update_flops = fwd * 3 + roofline.recompute_flops(
-            sizes, train_seqs, new_tokens, args.checkpoint_policy
-        )
+        recompute = roofline.recompute_flops(sizes, train_seqs, new_tokens, args.checkpoint_policy)
+        update_flops = fwd * 3 + recompute
         if args.lengths == "uniform":
             var_roofline_s = roofline_s
         arr = np.asarray(lengths, dtype=float)  # completion-length percentiles, mean and max
@@ -216,34 +198,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engines.clear()  # each engine holds the model: TRL's side measures its own memory
         del backend, engine, thinker, groups, adv
         trl = run_trl_side(args, cfg, vl_dir, samples, images)
-    ours_samples_per_s = rows / last["step_s"]
+    ours = rows / last["step_s"]
     config = {k: vars(args)[k] for k in ("layers", "widths", "prompts", "group")}
     config |= {"rows": rows, "max_new_tokens": args.max_new_tokens}
     config |= {"modalities": [s.modality for s in samples], "prompt_tokens": prompt_lens}
     config["lora"] = {"rank": args.rank, "alpha": args.alpha, "targets": targets}
     config |= {k: vars(args)[k] for k in ("expert_path", "micro_batch_size", "micro_batch_tokens")}
     config["gradient_checkpointing"] = True
-    return {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "config": config | {k: vars(args)[k] for k in CONFIG_KEYS},
-        "limits": limits,
-        "roofline": {
-            "decode_bytes": decode_bytes,
-            "prefill_flops": prefill_flops,
-            "generation_s": roofline_s,
-            "update_flops": update_flops,
-        },
+    out = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    out |= {"config": config | {k: vars(args)[k] for k in CONFIG_KEYS}, "limits": limits}
+    out["roofline"] = {"decode_bytes": decode_bytes, "prefill_flops": prefill_flops}
+    out["roofline"] |= {"generation_s": roofline_s, "update_flops": update_flops}
+    out |= {
         "build_s": round(build.s, 1),
         "steps": steps,
         "batching_summary": batching_summary(steps),
-        "last": last,
-        "peak_allocated_gib": round(peak, 2),
-        "samples_per_s": ours_samples_per_s,
-        "trl": trl,
-        "samples_per_s_ratio_vs_trl": ours_samples_per_s / trl["samples_per_s"] if trl else None,
-        "versions": harness.versions("peft"),
-        "dynamo": _dynamo_counters() if args.compile else None,
     }
+    out |= {"last": last, "peak_allocated_gib": round(peak, 2), "samples_per_s": ours, "trl": trl}
+    out["samples_per_s_ratio_vs_trl"] = ours / trl["samples_per_s"] if trl else None
+    out["versions"] = harness.versions("peft")
+    return out | {"dynamo": _dynamo_counters() if args.compile else None}
 
 
 def batching_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
