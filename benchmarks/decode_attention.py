@@ -29,9 +29,7 @@ def _sdpa(q: torch.Tensor, keys: list, values: list, mask: torch.Tensor, cut: in
         sdpa(q, k[:, :, :cut], v[:, :, :cut], attn_mask=m)
 
 
-def _kernel(
-    q: torch.Tensor, keys: list, values: list, start: torch.Tensor, slot: torch.Tensor
-) -> None:
+def _kernel(q: torch.Tensor, keys: list, values: list, start: Any, slot: Any) -> None:
     """The split-KV kernel over every layer's buffer (reads keys ``[start, slot]`` only)."""
     for k, v in zip(keys, values, strict=True):
         decode_attention_kernel(q, k, v, start, slot, DIM**-0.5)

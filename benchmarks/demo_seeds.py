@@ -71,9 +71,7 @@ def chance_levels(run_dir: Path) -> dict[str, float]:
     return {m: statistics.mean(v) for m, v in inverse.items() if v}
 
 
-def collapses(
-    records: list[dict[str, Any]], chance: dict[str, float], warn_after: int
-) -> list[dict[str, Any]]:
+def collapses(records: list[dict], chance: dict[str, float], warn_after: int) -> list[dict]:
     """Every post-learning collapse, per modality after its first held-out evaluation >= TARGET:
     a later evaluation below it; a stretch where the mean training reward of the last ``WINDOW``
     logged steps falls below the midpoint between chance and TARGET (a dip between evaluations);
@@ -113,9 +111,7 @@ def collapses(
     return events
 
 
-def run_one(
-    config: Path, work: Path, name: str, seed: int, threads: int, extra: tuple[str, ...]
-) -> dict[str, Any]:
+def run_one(config: Path, work: Path, name: str, seed: int, threads: int, extra: tuple) -> dict:
     """One ``omni-grpo train`` child: its exit, wall and CPU time (``wait4``: user + sys of
     the child, the comparable figure on a loaded box), final and learned-at accuracies, collapses."""
     run_dir = work / name

@@ -9,7 +9,6 @@ after step 1 and ``on_over_off`` (target >= 0.85). The setup: docs/exact-logprob
     python benchmarks/exact_logprobs.py --work /tmp/og --modes lora --steps 2 --max-new-tokens 64
 """
 
-import argparse
 import gc
 import json
 import sys
@@ -26,9 +25,7 @@ GIB = harness.GIB
 KINDS = ("image", "audio", "video", "text")
 
 
-def run_one(
-    args: argparse.Namespace, cfg: dict[str, Any], vl_dir: Path, mode: str, exact: bool
-) -> dict[str, Any]:
+def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[str, Any]:
     from omni_grpo.config import LoraConfig
     from omni_grpo.data.prompt import PromptBuilder
     from omni_grpo.exact import enable_exact_logprobs

@@ -122,9 +122,7 @@ def timed(device: Any = None) -> Iterator[Timing]:
     t.s = now(device) - start
 
 
-def seconds(
-    fn: Callable[[], Any], repeats: int, device: Any = None, warmup: int = 1
-) -> list[float]:
+def seconds(fn: Callable, repeats: int, device: Any = None, warmup: int = 1) -> list[float]:
     """Wall seconds of each of ``repeats`` calls after ``warmup`` untimed ones (lazy loading,
     caches); report ``min`` (the least disturbed on a shared box) and the median."""
     for _ in range(warmup):

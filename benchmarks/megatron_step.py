@@ -23,9 +23,7 @@ REAL |= {"max_position_embeddings": 65536, "rope_parameters": ROPE}
 PEAK_BF16 = 989e12
 
 
-def time_step(
-    th: Any, ids: torch.Tensor, pos: torch.Tensor, iters: int, warmup: int, loss: str
-) -> list[float]:
+def time_step(th: Any, ids: Any, pos: Any, iters: int, warmup: int, loss: str) -> list[float]:
     """Seconds of each forward + logprob loss + backward after ``warmup`` untimed ones."""
     from omni_grpo.algo import token_logprobs_from_logits
     from omni_grpo.backends.megatron.vocab_parallel import vocab_parallel_logprobs
@@ -58,9 +56,7 @@ def profile_step(th: Any, ids: torch.Tensor, pos: torch.Tensor, loss: str) -> di
     return {e.key[:90]: round(getattr(e, "device_time_total", 0) / 1e3, 2) for e in rows[:15]}
 
 
-def bench_step(
-    args: argparse.Namespace, impl: str, device: torch.device
-) -> tuple[dict, dict | None]:
+def bench_step(args: argparse.Namespace, impl: str, device: torch.device) -> tuple:
     from omni_grpo.backends.megatron import model as mm
     from omni_grpo.backends.megatron.config_map import megatron_model_args
     from omni_grpo.config import MegatronConfig

@@ -251,9 +251,7 @@ def _dynamo_counters() -> dict[str, Any]:
     return {"stats": dict(counters["stats"]), "graph_breaks": breaks}
 
 
-def run_trl_side(
-    args: argparse.Namespace, cfg: dict, vl_dir: Path, samples: list, images: list
-) -> dict:
+def run_trl_side(args: Any, cfg: dict, vl_dir: Path, samples: list, images: list) -> dict:
     """The same random model (same seed), prompts and batch through TRL's ``GRPOTrainer`` with
     peft (our LoRA targets as peft's config), vision frozen, checkpointing on, after our model is
     freed. TRL gets every prompt as an image prompt (recorded in the result: ``media``), so the

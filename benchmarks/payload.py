@@ -55,9 +55,7 @@ def baseline_body(ids: list[int], mm: dict[str, torch.Tensor], seed: int) -> byt
     return json.dumps(body).encode()
 
 
-def ours_group(
-    ids: list[int], mm: dict[str, torch.Tensor], n: int, bf16: bool
-) -> tuple[PreparedPrompt, list[list[bytes]]]:
+def ours_group(ids: list[int], mm: dict, n: int, bf16: bool) -> tuple[PreparedPrompt, list]:
     prompt = PreparedPrompt.build(ids, mm, bf16=bf16)
     params = [filter_sampling_params({**SAMPLING, "seed": i}) for i in range(n)]
     return prompt, [build_generate_body(prompt, p) for p in params]

@@ -75,9 +75,7 @@ def forward_flops(s: dict[str, float], seq_lens: list[int], logits_tokens: int) 
     )
 
 
-def recompute_flops(
-    s: dict[str, float], seq_lens: list[int], logits_tokens: int, policy: str
-) -> float:
+def recompute_flops(s: dict, seq_lens: list[int], logits_tokens: int, policy: str) -> float:
     """FLOPs the backward's recompute runs: the decoder layers' forward (the LM head is outside
     them); ``selective`` keeps the attention's products (projections and core) instead."""
     flops = forward_flops(s, seq_lens, logits_tokens) - 2 * s["lm_head"] * logits_tokens

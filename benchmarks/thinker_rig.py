@@ -33,9 +33,7 @@ def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -
     return cfg
 
 
-def vl_dir_at(
-    skeleton: Path, dst: Path, layers: int, widths: str, vision_depth: int = 0
-) -> tuple[Path, dict[str, Any]]:
+def vl_dir_at(skeleton: Path, dst: Path, layers: int, widths: str, vision_depth: int = 0) -> tuple:
     """A weightless ``vl`` directory (:func:`config_at` + the skeleton's tokenizer/processor
     files): what ``wrap_vl`` and the prompt builder read. Returns it and the config dict."""
     cfg = config_at(skeleton, layers, widths, vision_depth)
@@ -76,9 +74,7 @@ def build_vl(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> t
     return vl.to(dtype)
 
 
-def real_audio_tower(
-    thinker: Any, skeleton_audio: Path, device: torch.device, dtype: torch.dtype
-) -> None:
+def real_audio_tower(thinker: Any, skeleton_audio: Path, device: Any, dtype: torch.dtype) -> None:
     """Give the thinker's frozen audio tower real widths and depth, random weights on ``device``."""
     from omni_audio_inject.source import audio_config_of
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
@@ -96,9 +92,7 @@ def real_audio_tower(
     tower._module, tower._config = module.to(dtype).eval().requires_grad_(False), config
 
 
-def thinker_at(
-    cfg: dict[str, Any], vl_dir: Path, skeleton: Path, device: torch.device, dtype: torch.dtype
-) -> Any:
+def thinker_at(cfg: dict, vl_dir: Path, skeleton: Path, device: Any, dtype: torch.dtype) -> Any:
     """``build_vl`` wrapped as the trainer wraps a loaded ``vl`` checkpoint (vision frozen)."""
     from omni_grpo.models.loader import wrap_vl
 
@@ -162,9 +156,7 @@ def media_limits(args: argparse.Namespace) -> dict[str, Any]:
     return limits | {"max_frames": args.video_frames, "video_max_pixels": args.video_size**2}
 
 
-def samples(
-    work: Path, n: int, kinds: tuple[str, ...], image_size: int, question: str, long: bool = False
-) -> tuple[list[Any], list[Path]]:
+def samples(work: Path, n: int, kinds: tuple, size: int, question: str, long: bool = False):
     """``n`` prompts cycling ``kinds`` (image, audio, video, text), one medium each, and the
     images written for them (one per prompt). ``long``: every prompt one video WITH its own
     sound track interleaved (``use_audio_in_video``: one ``<vision_start><audio_start>`` block
@@ -172,7 +164,7 @@ def samples(
     only need to exist: the loaders (frames and track) are :func:`synthetic_media`'s."""
     from omni_grpo.types import Sample
 
-    images = write_images(work / "media", n, image_size)
+    images = write_images(work / "media", n, size)
 
     def medium(kind: str, i: int) -> dict[str, str]:
         path = images[i] if kind == "image" else work / "media" / f"{kind}{i}.bin"
@@ -201,9 +193,7 @@ def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
     return eos, int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
 
 
-def engine(
-    thinker: Any, eos: list, device: torch.device, tok: Any = None, stop: bool = False, **kw: Any
-) -> Any:
+def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = False, **kw: Any):
     """The embedded engine with the media ids banned and the end-of-turn ids too (``stop``: they
     end a sample instead); bf16 autocast on CUDA; ``tok`` decodes the completions' text."""
     from omni_grpo.models.sideband import media_token_ids

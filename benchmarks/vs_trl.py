@@ -131,17 +131,13 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
 
 # -------------------------------------------------------------------------------------- trl
 def run_trl(
-    args: argparse.Namespace,
-    vl: Path,
-    rows: list[dict[str, Any]],
-    model: Any = None,
-    peft_config: Any = None,
-    gradient_checkpointing: bool = False,
+    args: Any, vl: Path, rows: list, model: Any = None, peft: Any = None, ckpt: bool = False
 ) -> dict:
     """TRL's ``GRPOTrainer`` on ``rows`` (a row's ``media`` overrides ``args.media``). ``model``:
     an already built ``Qwen3VLMoeForConditionalGeneration`` (``benchmarks/one_gpu_thinker.py``
-    draws the 48-layer one on the GPU) instead of loading ``vl``'s weights; ``peft_config`` is
-    handed to the trainer, which wraps the model with peft itself."""
+    draws the 48-layer one on the GPU) instead of loading ``vl``'s weights; ``peft`` (a peft config)
+    is handed to the trainer, which wraps the model with peft itself; ``ckpt``: gradient
+    checkpointing."""
     import transformers as tf
     from datasets import Dataset
     from PIL import Image
@@ -200,8 +196,8 @@ def run_trl(
     run |= dict(per_device_train_batch_size=args.group, gradient_accumulation_steps=args.prompts)
     run |= dict(num_generations=args.group, max_completion_length=args.max_new_tokens)
     run |= dict(max_steps=args.warmup + args.steps, bf16=device == "cuda", use_cpu=device == "cpu")
-    config = GRPOConfig(**run, gradient_checkpointing=gradient_checkpointing, **TRL_MATCHED)
-    kw = dict(train_dataset=dataset, processing_class=processor, peft_config=peft_config)
+    config = GRPOConfig(**run, gradient_checkpointing=ckpt, **TRL_MATCHED)
+    kw = dict(train_dataset=dataset, processing_class=processor, peft_config=peft)
     GRPOTrainer(
         model=model, reward_funcs=[reward], args=config, callbacks=[StepEnds()], **kw
     ).train()

@@ -39,13 +39,7 @@ def synthetic_state(mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
-def raw_broadcast(
-    server_tensors: list[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    backend: str,
-    device: str,
-    out: Path,
-) -> float:
+def raw_broadcast(tensors: list, bucket_bytes: int, backend: str, device: str, out: Path) -> float:
     """Seconds to broadcast every bucket to one receiver with no HTTP and no conversion."""
     from omni_grpo.sync.buckets import buckets
     from omni_grpo.sync.group import build_group, host_store
@@ -60,7 +54,7 @@ def raw_broadcast(
     group = build_group(
         store, group_name="raw", world_size=2, rank=0, backend=backend, timeout_s=300
     )
-    bucket_list = list(buckets([(n, t.to(device)) for n, t in server_tensors], bucket_bytes))
+    bucket_list = list(buckets([(n, t.to(device)) for n, t in tensors], bucket_bytes))
     with harness.timed(device) as t:
         for b in bucket_list:
             inbox.put((b.names, b.dtypes, b.shapes))
