@@ -60,13 +60,10 @@ def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, A
     from omni_extract.tokens import REAL_IDS
 
     rope = {"rope_type": "default", **ROPE, "interleaved": True}
-    text = {**TEXT, "num_hidden_layers": layers, "max_position_embeddings": 65536}
-    spec = tiny.TinyOmniSpec(
-        text={**text, "rope_parameters": rope},
-        vision={**VISION, "depth": 2, "deepstack_visual_indexes": [0, 1]},
-        audio={**AUDIO, "encoder_layers": 2},
-        dtype="bfloat16",
-    )
+    text = {**TEXT, "num_hidden_layers": layers, "rope_parameters": rope}
+    vision = {**VISION, "depth": 2, "deepstack_visual_indexes": [0, 1]}
+    audio = {**AUDIO, "encoder_layers": 2}
+    spec = tiny.TinyOmniSpec(text=text, vision=vision, audio=audio, dtype="bfloat16")
     config = tiny.build_config(spec, dict(REAL_IDS), VOCAB).to_dict()
     config["dtype"] = "bfloat16"
     shapes = expected_thinker_tensors(config["thinker_config"])
@@ -74,12 +71,11 @@ def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, A
     dst.mkdir(parents=True)
     shard = "model-{i:05d}-of-{n:05d}.safetensors"
     weight_map = write_shards(dst, shapes, shard_bytes, shard, 0, False, {"format": "pt"})
-    index = {"metadata": {}, "weight_map": weight_map}
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
     tiny.build_small_tokenizer().save_pretrained(dst)  # the tokenizer's size is irrelevant here
-    for name, payload in tiny.processor_artifacts(spec.vision).items():
-        (dst / name).write_text(json.dumps(payload))
+    files = {"model.safetensors.index.json": {"metadata": {}, "weight_map": weight_map}}
+    files |= {"config.json": config, **tiny.processor_artifacts(spec.vision)}
+    for name, payload in files.items():
+        (dst / name).write_text(json.dumps(payload, indent=2 if name == "config.json" else None))
     sizes = [f.stat().st_size for f in dst.glob("model-*.safetensors")]
     out = {"layers": layers, "tensors": len(shapes), "shards": len(sizes)}
     return out | {"total_bytes": sum(sizes), "largest_shard_bytes": max(sizes)}
@@ -155,13 +151,9 @@ def ratios(runs: list[dict[str, Any]], **bases: list[dict[str, Any]]) -> dict[st
 def measured(total: int, runs: list[dict[str, Any]], note: str, **facts: Any) -> dict[str, Any]:
     """The measured side's section: GB/s, each run's times, ``facts``, output and peak RSS."""
     times = ("seconds", "durable_seconds", "import_seconds")
-    return gbps(total, runs) | {
-        "runs": [{k: round(r[k], 3) for k in times} for r in runs],
-        **facts,
-        "largest_output_shard_bytes": runs[-1]["largest_output_shard_bytes"],
-        "peak_rss_bytes": max(r["max_rss_bytes"] for r in runs),
-        "note": note,
-    }
+    out = gbps(total, runs) | {"runs": [{k: round(r[k], 3) for k in times} for r in runs], **facts}
+    out["largest_output_shard_bytes"] = runs[-1]["largest_output_shard_bytes"]
+    return out | {"peak_rss_bytes": max(r["max_rss_bytes"] for r in runs), "note": note}
 
 
 def options(doc: str | None, name: str) -> argparse.ArgumentParser:

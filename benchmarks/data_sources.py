@@ -40,10 +40,8 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
 
     train, _ = generate_synthetic(tmp / "files", ("image", "audio", "video"), rows_per_task, 1, 0)
     write_embedded_parquet(read_samples(train), train.parent, tmp / "rows.parquet")
-    sources = {
-        "jsonl": dataset(train, train.parent, model_dir),
-        "parquet": dataset(tmp / "rows.parquet", None, model_dir),
-    }
+    sources = {"jsonl": dataset(train, train.parent, model_dir)}
+    sources["parquet"] = dataset(tmp / "rows.parquet", None, model_dir)
     n = len(sources["jsonl"])
     orders = {"file_order": range(n), "shuffled": np.random.default_rng(0).permutation(n)}
     for ds in sources.values():  # warm-up: page cache, lazily built extractors
@@ -161,12 +159,8 @@ def child_stream(spec: str, model_dir: str, limit: int) -> dict[str, Any]:
     """(the child) Stream ``limit`` rows of ``spec`` (0: all); its memory figures."""
     path = Path(spec)
     ds = dataset(path, path if path.is_dir() else path.parent, Path(model_dir))
-    mb = {
-        "rss_after_open_mb": harness.status_kb("VmRSS"),
-        "peak_rss_anon_mb": 0,
-        "peak_rss_file_mb": 0,
-    }
-    n = min(limit, len(ds)) if limit > 0 else len(ds)
+    mb = {"rss_after_open_mb": harness.status_kb("VmRSS"), "peak_rss_anon_mb": 0}
+    mb["peak_rss_file_mb"], n = 0, min(limit, len(ds)) if limit > 0 else len(ds)
     with harness.timed() as t:
         for i in range(n):
             assert ds.load(i) is not None
