@@ -20,18 +20,17 @@ import harness
 import released
 import thinker_rig as rig
 import torch
+from omni_grpo.config import LoraConfig
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.exact import enable_exact_logprobs
+from omni_grpo.exact.towers import clear_item_caches
+from omni_grpo.types import GRPOBatch, SamplingParams
 
 GIB = harness.GIB
 KINDS = ("image", "audio", "video", "text")
 
 
 def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[str, Any]:
-    from omni_grpo.config import LoraConfig
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.exact import enable_exact_logprobs
-    from omni_grpo.exact.towers import clear_item_caches
-    from omni_grpo.types import GRPOBatch, SamplingParams
-
     skeleton, device = Path(args.work) / "skeleton", torch.device("cuda")
     with harness.timed(device) as build:
         # seeded: the same weights in every run

@@ -24,6 +24,9 @@ import harness
 import released
 import thinker_rig as rig
 import torch
+from omni_grpo.config import DataConfig, LoraConfig
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.types import GRPOBatch, SamplingParams
 
 GIB = 1 << 30
 
@@ -37,10 +40,6 @@ def _mem(device: torch.device) -> dict[str, float]:
 
 def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     """One depth: build, then ``args.steps`` full GRPO steps; peaks and sizes."""
-    from omni_grpo.config import DataConfig, LoraConfig
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.types import GRPOBatch, SamplingParams
-
     work, device = Path(args.work), torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vl_dir, cfg = rig.vl_dir_at(work / "skeleton", work / f"vl-{layers}", layers, args.widths)

@@ -19,6 +19,7 @@ Prints ONE JSON object.
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -32,6 +33,13 @@ import released
 import roofline
 import thinker_rig as rig
 import torch
+from omni_grpo.config import LoraConfig
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.exact import enable_exact_logprobs
+from omni_grpo.exact.towers import clear_item_caches
+from omni_grpo.models.lora import peft_config
+from omni_grpo.rollout.partial import PartialRollouts
+from omni_grpo.types import GRPOBatch, SamplingParams
 
 GIB = harness.GIB
 CONFIG_KEYS = ("checkpoint_policy", "compile", "exact_logprobs", "lengths", "batching")
@@ -53,11 +61,6 @@ def draw_lengths(spec: str, rows: int, limit: int, seed: Any) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni_grpo.config import LoraConfig
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.exact.towers import clear_item_caches
-    from omni_grpo.types import GRPOBatch, SamplingParams
-
     work, device, cuda = Path(args.work), torch.device(args.device), args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     skeleton = released.make_skeleton(work / "skeleton")
@@ -87,8 +90,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("micro_batch_size", "micro_batch_tokens", "compile", "checkpoint_policy")
     backend = rig.trainer(thinker, device, pad, lora, 0.01, **{k: vars(args)[k] for k in keys})
     if args.exact_logprobs:  # rollout.exact_logprobs: the same switch the trainer makes
-        from omni_grpo.exact import enable_exact_logprobs
-
         enable_exact_logprobs(thinker)
     plan: dict[str, list[int]] = {}  # this step's drawn lengths, read by the engines
 
@@ -102,8 +103,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batchings = ["static", "continuous"] if args.batching == "both" else [args.batching]
     engines = {name: make_engine(name, length_plan) for name in batchings}
     if args.extra_groups:  # partial rollouts: groups in flight across steps (own length draws)
-        from omni_grpo.rollout.partial import PartialRollouts
-
         rng = np.random.default_rng([args.seed, 7])
         extra = iter(prompts * (args.extra_groups + args.steps * args.prompts))
 
@@ -256,10 +255,6 @@ def run_trl_side(args: Any, cfg: dict, vl_dir: Path, samples: list, images: list
     peft (our LoRA targets as peft's config), vision frozen, checkpointing on, after our model is
     freed. TRL gets every prompt as an image prompt (recorded in the result: ``media``), so the
     ratio is against TRL on the cheaper prompts."""
-    import gc
-
-    from omni_grpo.config import LoraConfig
-    from omni_grpo.models.lora import peft_config
     from vs_trl import run_trl
 
     gc.collect()
@@ -286,8 +281,6 @@ def profile_generation(
 ) -> None:
     """One more generation of 64 new tokens, eager (a CUDA graph's kernels are not traced one
     by one), its media encoded as in a timed step: the table as ``<dst>.generation.txt``."""
-    from omni_grpo.exact.towers import clear_item_caches
-
     clear_item_caches(thinker)  # a no-op with the option off
     short = sampling.model_copy(update={"max_new_tokens": 64})
     with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):

@@ -11,8 +11,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import omni_grpo.data.prompt as prompt_mod
 import released
 import torch
+from omni_audio_inject.source import audio_config_of
+from omni_grpo.algo import group_advantages
+from omni_grpo.backends.torch_backend import TorchBackend
+from omni_grpo.config import AlgoConfig, DataConfig, TrainerConfig
+from omni_grpo.data.media import VideoClip
+from omni_grpo.models.loader import wrap_vl
+from omni_grpo.models.sideband import media_token_ids
+from omni_grpo.rollout.embedded import EmbeddedEngine
+from omni_grpo.trainer import end_of_turn_ids
+from omni_grpo.types import Sample
+from PIL import Image
+from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+    Qwen3OmniMoeAudioEncoderConfig,
+)
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
 
 
 def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -> dict[str, Any]:
@@ -62,8 +79,6 @@ def build_vl(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> t
     """Random ``Qwen3VLMoeForConditionalGeneration`` (seed 0) drawn directly on ``device`` in
     ``dtype``. The fused experts are redrawn explicitly: a non-finite value from an uninitialised
     ``torch.empty`` would make every step skip and AdamW never allocate its state."""
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
     config = Qwen3VLMoeConfig(**{k: v for k, v in cfg.items() if k != "omni_sideband"})
     torch.manual_seed(0)
     vl = _drawn(lambda: Qwen3VLMoeForConditionalGeneration(config), device, dtype)
@@ -76,12 +91,6 @@ def build_vl(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> t
 
 def real_audio_tower(thinker: Any, skeleton_audio: Path, device: Any, dtype: torch.dtype) -> None:
     """Give the thinker's frozen audio tower real widths and depth, random weights on ``device``."""
-    from omni_audio_inject.source import audio_config_of
-    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoderConfig,
-    )
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
-
     cfg = dict(audio_config_of(skeleton_audio))
     cfg.pop("model_type", None)
     cfg.update(released.AUDIO)
@@ -94,8 +103,6 @@ def real_audio_tower(thinker: Any, skeleton_audio: Path, device: Any, dtype: tor
 
 def thinker_at(cfg: dict, vl_dir: Path, skeleton: Path, device: Any, dtype: torch.dtype) -> Any:
     """``build_vl`` wrapped as the trainer wraps a loaded ``vl`` checkpoint (vision frozen)."""
-    from omni_grpo.models.loader import wrap_vl
-
     vl = build_vl(cfg, device, dtype)
     return wrap_vl(vl, vl_dir, audio_dir=skeleton / "audio", freeze_visual=True)
 
@@ -123,8 +130,6 @@ def video(args: argparse.Namespace) -> tuple[np.ndarray, float]:
 
 def write_images(root: Path, n: int, size: int) -> list[Path]:
     """``n`` :func:`colour_field` PNGs."""
-    from PIL import Image
-
     root.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         Image.fromarray(colour_field(size, i, n)).save(root / f"image{i}.png")
@@ -135,9 +140,6 @@ def synthetic_media(args: argparse.Namespace) -> Any:
     """Install media loaders that return synthetic arrays (:func:`chirp` of ``--audio-seconds``,
     also as every video's own sound track; :func:`video`); returns the prompt builder's matching
     limits."""
-    import omni_grpo.data.prompt as prompt_mod
-    from omni_grpo.config import DataConfig
-    from omni_grpo.data.media import VideoClip
 
     def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
         return chirp(args.audio_seconds)
@@ -162,8 +164,6 @@ def samples(work: Path, n: int, kinds: tuple, size: int, question: str, long: bo
     sound track interleaved (``use_audio_in_video``: one ``<vision_start><audio_start>`` block
     of frame chunks and audio in time order), as audio-visual QA prompts come. The video files
     only need to exist: the loaders (frames and track) are :func:`synthetic_media`'s."""
-    from omni_grpo.types import Sample
-
     images = write_images(work / "media", n, size)
 
     def medium(kind: str, i: int) -> dict[str, str]:
@@ -187,8 +187,6 @@ def samples(work: Path, n: int, kinds: tuple, size: int, question: str, long: bo
 def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
     """The end-of-turn ids (banned: every sample runs to ``max_new_tokens``, the worst case)
     and the pad id."""
-    from omni_grpo.trainer import end_of_turn_ids
-
     eos = end_of_turn_ids(vl_dir, tok)
     return eos, int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
 
@@ -196,9 +194,6 @@ def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
 def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = False, **kw: Any):
     """The embedded engine with the media ids banned and the end-of-turn ids too (``stop``: they
     end a sample instead); bf16 autocast on CUDA; ``tok`` decodes the completions' text."""
-    from omni_grpo.models.sideband import media_token_ids
-    from omni_grpo.rollout.embedded import EmbeddedEngine
-
     if tok is not None:
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
     kw["autocast_dtype"] = torch.bfloat16 if device.type == "cuda" else None
@@ -211,9 +206,6 @@ def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = F
 def trainer(thinker: Any, device: torch.device, pad: int, lora: Any, kl: float, **kw: Any) -> Any:
     """The real ``TorchBackend`` with gradient checkpointing: k3 KL to the base, clip 0.2 / 0.28,
     lr 1e-5; ``kw``: other ``TrainerConfig`` fields (or these)."""
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, TrainerConfig
-
     kw = {"device": str(device), "lr": 1e-5, "gradient_checkpointing": True, "lora": lora, **kw}
     algo = AlgoConfig(kl_coef=kl, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
     return TorchBackend(thinker, TrainerConfig(**kw), algo, pad_token_id=pad, device=device)
@@ -221,6 +213,4 @@ def trainer(thinker: Any, device: torch.device, pad: int, lora: Any, kl: float, 
 
 def advantages(groups: list[Any], group: int) -> torch.Tensor:
     """Group advantages of uniform random rewards: the update's cost does not depend on them."""
-    from omni_grpo.algo import group_advantages
-
     return group_advantages(torch.rand(len(groups), group), group, std_normalize=True, eps=1e-6)
