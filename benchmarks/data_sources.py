@@ -19,6 +19,23 @@ from typing import Any
 
 import harness
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import soundfile as sf
+from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
+from omni_grpo.config import DataConfig
+from omni_grpo.data.dataset import OmniDataset
+from omni_grpo.data.media import resolve_media
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.data.sources import read_samples
+from omni_grpo.data.synthetic import generate_synthetic
+from omni_grpo.data.tables import (
+    EMBED_ROW_GROUP_BYTES,
+    embedded_schema,
+    write_embedded_parquet,
+    writer_options,
+)
+from PIL import Image
 
 IMAGE_SIDE = 1024  # 3 MiB of BMP per streamed row
 AUDIO_SECONDS = 20.0  # 625 KiB of 16-bit WAV per streamed row
@@ -26,18 +43,10 @@ PROMPT = "<image>\nWhich colour?\nA. red\nB. blue\n<audio>\nHigh or low?"
 
 
 def dataset(spec: Path, root: Path | None, model_dir: Path) -> Any:
-    from omni_grpo.config import DataConfig
-    from omni_grpo.data.dataset import OmniDataset
-    from omni_grpo.data.prompt import PromptBuilder
-
     return OmniDataset(spec, root, PromptBuilder(model_dir, DataConfig()))
 
 
 def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> dict[str, Any]:
-    from omni_grpo.data.sources import read_samples
-    from omni_grpo.data.synthetic import generate_synthetic
-    from omni_grpo.data.tables import write_embedded_parquet
-
     train, _ = generate_synthetic(tmp / "files", ("image", "audio", "video"), rows_per_task, 1, 0)
     write_embedded_parquet(read_samples(train), train.parent, tmp / "rows.parquet")
     sources = {"jsonl": dataset(train, train.parent, model_dir)}
@@ -70,8 +79,6 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
 def media_access(files: Any, table: Any, repeats: int) -> dict[str, float]:
     """Getting an item's bytes (resolve + read the file, vs fetch from the parquet row group;
     decoding after it is the same code): microseconds per item, best of ``repeats`` passes."""
-    from omni_grpo.data.media import resolve_media
-
     file_items = [m for s in files.samples for m in s.media]
     table_items = [m for s in table.samples for m in s.media]
     best = {"file": float("inf"), "parquet": float("inf")}
@@ -91,9 +98,6 @@ def media_access(files: Any, table: Any, repeats: int) -> dict[str, float]:
 
 def stream_rows(n_rows: int, rng: np.random.Generator) -> Iterator[tuple[bytes, bytes]]:
     """(image bytes, wav bytes) per row: unique noise images (BMP: no encode cost) and tones."""
-    import soundfile as sf
-    from PIL import Image
-
     t = np.arange(int(AUDIO_SECONDS * 16000)) / 16000
     for k in range(n_rows):
         ib, ab = io.BytesIO(), io.BytesIO()
@@ -107,10 +111,6 @@ def stream_rows(n_rows: int, rng: np.random.Generator) -> Iterator[tuple[bytes, 
 
 def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
     """A parquet of more than ``gb`` GB of embedded media, and the same rows as jsonl + files."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from omni_grpo.data.tables import EMBED_ROW_GROUP_BYTES, embedded_schema, writer_options
-
     schema, files = embedded_schema(), tmp / "stream_files"
     files.mkdir()
     parquet, jsonl = tmp / "stream.parquet", files / "rows.jsonl"
@@ -142,9 +142,6 @@ def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
 
 def write_arrow_dir(parquet: Path, out_dir: Path) -> Path:
     """The parquet's rows as a ``save_to_disk`` layout: one Arrow IPC stream + ``state.json``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     f = pq.ParquetFile(str(parquet))
     out_dir.mkdir()
     data = out_dir / "data-00000-of-00001.arrow"
@@ -192,8 +189,6 @@ if __name__ == "__main__":
     if args.child:
         print(json.dumps(child_stream(args.child[0], args.child[1], int(args.child[2]))))
         sys.exit()
-    from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
-
     if args.tmp is not None:  # e.g. --tmp /tmp/bench on a fresh machine: make it, as -p would
         args.tmp.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="omni-grpo-data-bench-", dir=args.tmp))

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from omni_grpo.config import load_config
+from omni_grpo.testing.interrupts import actor_pid
+from omni_grpo.trainer import prepare_model, train
 
 TOKENS_PER_SAMPLE = 2  # a letter and <|im_end|> (the fake's letter answers)
 RAY_PROBE_TOKENS = (3, 12)  # the recipe's answer budget, and a longer one (ray pair calibration)
@@ -35,8 +38,6 @@ TIS = "algo.tis={enabled: true, mode: truncate, clip_high: 2.0}"
 
 def recipe(config: str, run_dir: Path, steps: int, overrides: list[str]) -> Any:
     """``examples/<config>`` in ``run_dir`` with the shared tiny model: no saves, plots or eval."""
-    from omni_grpo.config import load_config
-
     model = run_dir.parent / "model"
     sets = [f"run.dir={run_dir}", f"run.steps={steps}", "run.plots=false", "run.save_every=0"]
     sets += ["run.tensorboard=false", "trainer.warmup=null", "eval.every=0"]
@@ -48,8 +49,6 @@ def recipe(config: str, run_dir: Path, steps: int, overrides: list[str]) -> Any:
 def run(config: str, run_dir: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
     """One training run: samples/s and the mean of each phase (``steady``: without step 1,
     which no run can overlap)."""
-    from omni_grpo.trainer import train
-
     cfg = recipe(config, run_dir, steps, overrides)
     train(cfg, progress=False)
     records = [r for r in harness.train_metrics(run_dir) if r["step"] > 0]
@@ -91,7 +90,6 @@ def sglang_pair(work: Path, steps: int, extra: list[str], measure: bool = True) 
     rollout (fixed cost + generation) takes one train step: a probe run measures the train step
     and the rollout's fixed cost, a second short run checks the choice and moves the delay by the
     gap left (the fake's requests overlap each other and the client's decoding)."""
-    from omni_grpo.trainer import prepare_model
 
     def sets(name: str, url: str, staleness: int) -> list[str]:
         out = [f"rollout.sglang.urls=[{url}]", f"rollout.sglang.sync_dir={work / name / 'sync'}"]
@@ -126,8 +124,6 @@ def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
     """Core 0 for the trainer actor, the other cores for everything else (this driver, the fake,
     Ray's processes inherit this affinity): what separate hardware gives a real run; unpinned, on
     2 cores, the ratio is bimodal with where the scheduler puts the trainer. Linux only."""
-    from omni_grpo.testing.interrupts import actor_pid
-
     everything = os.sched_getaffinity(0)
     os.sched_setaffinity(0, everything - {0})
     done = threading.Event()

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from omni_grpo.config import load_config
+from omni_grpo.trainer import train
 
 TIMES = ("time/step_s", "time/rollout_s", "time/train_s", "weight_sync/seconds")
 
 
 def run(config: str, run_dir: Path, steps: int) -> dict[str, Any]:
-    from omni_grpo.config import load_config
-    from omni_grpo.trainer import train
-
     sets = [f"run.dir={run_dir}", f"run.steps={steps}", "run.plots=false"]
     cfg = load_config(harness.REPO / "examples" / config, sets)
     with harness.timed() as wall:

@@ -27,6 +27,15 @@ import numpy as np
 import released
 import thinker_rig as rig
 import torch
+from omni_grpo.algo import group_advantages
+from omni_grpo.backends.torch_backend import TorchBackend
+from omni_grpo.config import AlgoConfig, DataConfig, SamplingParams, TrainerConfig
+from omni_grpo.data import prompt as prompt_mod
+from omni_grpo.data.media import VideoClip
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.models import load_thinker
+from omni_grpo.types import GRPOBatch, Sample
+from PIL import Image
 
 QUESTION = "What is shown here? Describe the colours, then answer in one word."
 # our run's settings in TRL's words: constant LR, token-mean loss over the step (dapo), clip
@@ -63,8 +72,6 @@ def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> P
 def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One image per prompt (``thinker_rig.write_images``), or those frames rolled sideways as a
     video (.npy: decoded frames)."""
-    from PIL import Image
-
     paths = rig.write_images(root, args.prompts, getattr(args, f"{args.media}_size"))
     for i, image in enumerate(paths if args.media == "video" else []):
         frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
@@ -75,15 +82,6 @@ def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------- ours
 def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[str, Any]]) -> dict:
-    from omni_grpo.algo import group_advantages
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, DataConfig, SamplingParams, TrainerConfig
-    from omni_grpo.data import prompt as prompt_mod
-    from omni_grpo.data.media import VideoClip
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.models import load_thinker
-    from omni_grpo.types import GRPOBatch, Sample
-
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
     prompt_mod.load_video = lambda path, fps, max_frames: VideoClip(np.load(path), args.fps)
     dev, cuda = args.device, args.device == "cuda"
