@@ -6,12 +6,9 @@ drawn model (at the benchmark's depth and real widths) and its prompts to disk, 
 example's trainer settings, lets the CLI's step time be compared with the benchmark's on the same
 card (docs/one-gpu-lora.md, "The CLI against the benchmark").
 
-What is written under ``dst``: ``vl/`` (the thinker's VL weights in the extracted layout, its
-tokenizer and processor files), ``audio/`` (the audio tower's weights and config, as
-``omni-grpo extract --variant audio`` writes them), ``data/`` (each prompt's media as real files
-— a PNG, a WAV of the chirp, an MP4 whose sound track is that chirp — and ``rows.jsonl``), and
-``train.yaml``: ``examples/qwen3-omni-30b-lora-1gpu.yaml`` with the run, model, data and rollout
-sizes of the benchmark.
+Under ``dst``: ``vl/`` and ``audio/`` in the extracted layout, ``data/`` (each prompt's media as
+real files: PNG, WAV of the chirp, MP4 with that chirp as its sound, and ``rows.jsonl``), and
+``train.yaml``: ``examples/qwen3-omni-30b-lora-1gpu.yaml`` with the benchmark's sizes.
 """
 
 import json
@@ -46,8 +43,7 @@ def write_audio(tower: Any, skeleton_audio: Path, dst: Path, device: torch.devic
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, dst / f.name)
     module = tower.module(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    state = module.state_dict()
-    state = {f"audio_tower.{k}": v.detach().cpu().contiguous() for k, v in state.items()}
+    state = {f"audio_tower.{k}": v.cpu().contiguous() for k, v in module.state_dict().items()}
     save_file(state, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps(tower.config.to_dict(), indent=2))
 
@@ -92,13 +88,12 @@ def train_config(dst: Path, args: Any, device: str) -> dict[str, Any]:
     cfg["model"] = model | {"dtype": dtype, "freeze_visual": True}
     cfg["data"] = {"train": str(dst / "data" / "rows.jsonl"), "root": str(dst / "data")}
     cfg["data"] |= thinker_rig.media_limits(args)
-    rollout = cfg["rollout"]
-    rollout.update(n_samples=args.group, prompts_per_step=args.prompts)
-    rollout["sampling"]["max_new_tokens"] = args.max_new_tokens
-    rollout.pop("eval_sampling", None)
+    cfg["rollout"].update(n_samples=args.group, prompts_per_step=args.prompts)
+    cfg["rollout"]["sampling"]["max_new_tokens"] = args.max_new_tokens
+    cfg["rollout"].pop("eval_sampling", None)
     cfg.pop("eval", None)
-    lora = cfg["trainer"]["lora"]
-    lora.update(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
+    lora = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets.split(",")}
+    cfg["trainer"]["lora"].update(lora)
     if device != "cuda":  # the CPU check of this writer: no compile, fp32
         cfg["trainer"].update(device="cpu", compile=False)
     return cfg
@@ -108,11 +103,9 @@ def write_run(
     dst: Path, thinker: Any, vl_dir: Path, skeleton: Path, samples: list, images: list, args: Any
 ) -> Path:
     """Everything ``omni-grpo train --config <dst>/train.yaml`` needs; returns that path."""
-    dst = Path(dst)
+    dst, device, config = Path(dst), torch.device(args.device), Path(dst) / "train.yaml"
     write_vl(thinker.vl, vl_dir, dst / "vl")
-    device = torch.device(args.device)
     write_audio(thinker.audio.tower, skeleton / "audio", dst / "audio", device)
     write_media(samples, args, images, dst / "data")
-    config = dst / "train.yaml"
     config.write_text(yaml.safe_dump(train_config(dst, args, device.type), sort_keys=False))
     return config
