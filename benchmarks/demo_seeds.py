@@ -35,15 +35,8 @@ BASELINES: dict[str, tuple[str, ...]] = {
     "main": OLD_LR,
     # the demo issue 16 was filed against (main at 46b1011): no KL anchor, 200 steps, evaluation
     # every 25, the tiny model and data pinned to seed 0
-    "issue16": (
-        "algo.kl_coef=0.0",
-        "algo.kl_type=k1",
-        *OLD_LR,
-        "run.steps=200",
-        "eval.every=25",
-        "model.make_tiny.seed=0",
-        "data.synthetic.seed=0",
-    ),
+    "issue16": ("algo.kl_coef=0.0", "algo.kl_type=k1", *OLD_LR, "run.steps=200", "eval.every=25")
+    + ("model.make_tiny.seed=0", "data.synthetic.seed=0"),
 }
 
 

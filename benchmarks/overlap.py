@@ -25,12 +25,8 @@ from omni_grpo.trainer import prepare_model, train
 TOKENS_PER_SAMPLE = 2  # a letter and <|im_end|> (the fake's letter answers)
 RAY_PROBE_TOKENS = (3, 12)  # the recipe's answer budget, and a longer one (ray pair calibration)
 RAY_MAX_TOKENS = 64
-PHASES = {  # metrics.jsonl key -> name in the output
-    "time/step_s": "step",
-    "time/rollout_s": "rollout",
-    "time/train_s": "train",
-    "weight_sync/seconds": "sync",
-}
+PHASES = {"time/step_s": "step", "time/rollout_s": "rollout", "time/train_s": "train"}
+PHASES["weight_sync/seconds"] = "sync"  # metrics.jsonl key -> name in the output
 EXTRA = ("staleness/mean", "train_rollout_logprob_abs_diff")
 SGLANG = ["rollout.engine=sglang-omni", "rollout.sglang.sync_mode=disk"]
 TIS = "algo.tis={enabled: true, mode: truncate, clip_high: 2.0}"
@@ -58,12 +54,9 @@ def run(config: str, run_dir: Path, steps: int, overrides: list[str]) -> dict[st
         return round(samples * len(rows) / sum(r["time/step_s"] for r in rows), 3)
 
     steady = harness.means(records[1:], PHASES)
-    return {
-        "samples_per_s": rate(records),
-        "steady_samples_per_s": rate(records[1:]),
-        "phases_s": {name: steady.get(k, float("nan")) for k, name in PHASES.items()},
-        **harness.means(records, EXTRA),
-    }
+    out = {"samples_per_s": rate(records), "steady_samples_per_s": rate(records[1:])}
+    out["phases_s"] = {name: steady.get(k, float("nan")) for k, name in PHASES.items()}
+    return out | harness.means(records, EXTRA)
 
 
 @contextlib.contextmanager
@@ -109,8 +102,8 @@ def sglang_pair(work: Path, steps: int, extra: list[str], measure: bool = True) 
         check = on("calibrate-2", url, 0, 4)["phases_s"]
     delay = max(0.0, delay + (check["train"] - check["rollout"]) / TOKENS_PER_SAMPLE)
     calibration = {"train_s": probe["train"], "rollout_fixed_s": round(fixed_s, 4)}
-    calibration |= {"fixed_exceeds_train": fixed_s > probe["train"]}
-    calibration |= {"first_token_delay_s": round(first, 4)}
+    calibration["fixed_exceeds_train"] = fixed_s > probe["train"]
+    calibration["first_token_delay_s"] = round(first, 4)
     calibration["first_rollout_over_train"] = round(check["rollout"] / check["train"], 3)
     out: dict[str, Any] = {"token_delay_s": round(delay, 4), "calibration": calibration}
     for staleness in (0, 1) if measure else ():
@@ -145,9 +138,7 @@ def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
         os.sched_setaffinity(0, everything)
 
 
-def sglang_actor_pair(
-    work: Path, steps: int, delay: float, extra: list[str], pin: bool = False
-) -> dict[str, Any]:
+def sglang_actor_pair(work: Path, steps: int, delay: float, extra: list, pin: bool = False) -> dict:
     """The sglang pair's engine, fake and delay with the trainer as ONE Ray actor
     (``trainer.world_size: 1`` + a launched fake server: the scale path's topology), where the
     client's HTTP work no longer shares a GIL with training."""
@@ -156,11 +147,9 @@ def sglang_actor_pair(
     launch += f"extra_args: [--token-delay-s, '{delay}']}}"
     for staleness in (0, 1):
         name = f"sglang-actor{'-pinned' if pin else ''}-{staleness}"
-        sets = [
-            f"rollout.sglang.launch={launch}",
-            f"rollout.sglang.sync_dir={work / name / 'sync'}",
-        ]
-        sets += [f"rollout.max_staleness={staleness}", TIS, "ray.cpus_per_trainer=0.5", *extra]
+        sync = f"rollout.sglang.sync_dir={work / name / 'sync'}"
+        sets = [f"rollout.sglang.launch={launch}", sync, f"rollout.max_staleness={staleness}", TIS]
+        sets += ["ray.cpus_per_trainer=0.5", *extra]
         with trainer_on_its_own_core(work / name) if pin else contextlib.nullcontext():
             out[f"max_staleness_{staleness}"] = run("tiny.yaml", work / name, steps, SGLANG + sets)
     return out
@@ -186,10 +175,8 @@ def ray_pair(work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
     train_s = (probe_short["train"] + probe_long["train"]) / 2
     tokens = int(round(short + (train_s - probe_short["rollout"]) / per_token))
     tokens = max(1, min(RAY_MAX_TOKENS, tokens))
-    calibration = {"recipe_max_new_tokens": short}
-    calibration["recipe_rollout_over_train"] = round(
-        probe_short["rollout"] / probe_short["train"], 3
-    )
+    ratio = probe_short["rollout"] / probe_short["train"]
+    calibration = {"recipe_max_new_tokens": short, "recipe_rollout_over_train": round(ratio, 3)}
     calibration |= {"rollout_s_per_token": round(per_token, 4), "train_s": round(train_s, 4)}
     out = {"trainer_ranks": trainers, "rollout_actors": actors, "max_new_tokens": tokens}
     out["calibration"] = calibration
@@ -232,11 +219,8 @@ if __name__ == "__main__":
         prefix = "" if pair == "sglang" else pair + "_"
         for key in ("ratio", "steady_ratio"):
             result[prefix + key] = result.get(pair, {}).get(key)
-    result |= {
-        "target_ratio": 1.6,
-        "limit_ratio": 2.0,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
+    result |= {"target_ratio": 1.6, "limit_ratio": 2.0}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
     result |= {"cpus": os.cpu_count(), "load_avg_before": load_before}
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     result["torch_threads"] = int(os.environ["OMNI_GRPO_TORCH_THREADS"])
