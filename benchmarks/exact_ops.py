@@ -144,10 +144,9 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
 
     bf16 = {"device": dev, "dtype": torch.bfloat16}
     out: dict[str, Any] = {}
-    rms = (
-        ("torch", partial(rw._torch_rmsnorm, eps=1e-6)),
-        ("exact", partial(rw.rmsnorm, eps=1e-6)),
-    )
+    rms = [
+        (k, partial(f, eps=1e-6)) for k, f in (("torch", rw._torch_rmsnorm), ("exact", rw.rmsnorm))
+    ]
     sizes = {"rmsnorm_hidden": (HIDDEN, TRAIN_ROWS), "rmsnorm_head": (HEAD_DIM, TRAIN_ROWS * HEADS)}
     for name, (width, rows) in sizes.items():
         x, w = torch.randn(rows, width, **bf16), torch.rand(width, **bf16)
