@@ -164,9 +164,8 @@ def child_stream(spec: str, model_dir: str, limit: int) -> dict[str, Any]:
             mb["peak_rss_anon_mb"] = max(mb["peak_rss_anon_mb"], harness.status_kb("RssAnon"))
             mb["peak_rss_file_mb"] = max(mb["peak_rss_file_mb"], harness.status_kb("RssFile"))
     mb["peak_rss_mb"] = harness.status_kb("VmHWM")
-    return {"rows": n, "rows_per_s": round(n / t.s, 2)} | {
-        k: round(v / 1024, 1) for k, v in mb.items()
-    }
+    out = {"rows": n, "rows_per_s": round(n / t.s, 2)}
+    return out | {k: round(v / 1024, 1) for k, v in mb.items()}
 
 
 def stream(spec: Path, model_dir: Path, limit: int = 0) -> dict[str, Any]:

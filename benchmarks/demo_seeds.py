@@ -76,11 +76,8 @@ def collapses(records: list[dict], chance: dict[str, float], warn_after: int) ->
         learned = next((step for step, v in history[m] if v >= TARGET), None)
         if learned is None:
             continue
-        events += [
-            {"modality": m, "kind": "eval", "step": step, "value": v}
-            for step, v in history[m]
-            if step > learned and v < TARGET
-        ]
+        later = [(step, v) for step, v in history[m] if step > learned and v < TARGET]
+        events += [{"modality": m, "kind": "eval", "step": step, "value": v} for step, v in later]
         floor = (chance.get(m, 0.5) + TARGET) / 2
         window: list[float] = []
         open_event: dict[str, Any] | None = None

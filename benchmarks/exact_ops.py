@@ -58,9 +58,8 @@ def linears(dev: torch.device) -> dict[str, Any]:
         row: dict[str, Any] = {"k": k, "n": n}
         for label, fn in (("torch", F.linear), ("exact", linear)):
             full = fn(a, w)
-            row[f"{label}_equal_rows"] = {
-                str(m): _equal_rows(fn(a[:m], w), full[:m]) for m in (1, 8, DECODE_ROWS, 512)
-            }
+            equal = {str(m): _equal_rows(fn(a[:m], w), full[:m]) for m in (1, 8, DECODE_ROWS, 512)}
+            row[f"{label}_equal_rows"] = equal
             ms = _bench(partial(fn, a, w))
             row[f"{label}_train_ms"] = ms
             row[f"{label}_train_tflops"] = 2 * TRAIN_ROWS * k * n / ms / 1e9
@@ -144,9 +143,8 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
 
     bf16 = {"device": dev, "dtype": torch.bfloat16}
     out: dict[str, Any] = {}
-    rms = [
-        (k, partial(f, eps=1e-6)) for k, f in (("torch", rw._torch_rmsnorm), ("exact", rw.rmsnorm))
-    ]
+    rms = [("torch", rw._torch_rmsnorm), ("exact", rw.rmsnorm)]
+    rms = [(k, partial(f, eps=1e-6)) for k, f in rms]
     sizes = {"rmsnorm_hidden": (HIDDEN, TRAIN_ROWS), "rmsnorm_head": (HEAD_DIM, TRAIN_ROWS * HEADS)}
     for name, (width, rows) in sizes.items():
         x, w = torch.randn(rows, width, **bf16), torch.rand(width, **bf16)

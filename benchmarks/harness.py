@@ -93,9 +93,8 @@ def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
     out["versions"] = versions() | (out.get("versions") or {})
     print(json.dumps(out), flush=True)  # first: a failed save does not lose the result
     if save:  # what ran, then where (h200)
-        (REPO / "benchmarks" / "results" / f"{name}_{save}.json").write_text(
-            json.dumps(out, indent=2) + "\n"
-        )
+        path = REPO / "benchmarks" / "results" / f"{name}_{save}.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------ clocks
@@ -161,10 +160,8 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
     dtype = torch.bfloat16 if cuda else torch.float32
     n, nbytes = (matmul, int(copy_gib * GIB)) if cuda else (min(matmul, 2048), 256 << 20)
     src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device).normal_()
-    dst, (a, b) = (
-        torch.empty_like(src),
-        (torch.randn(n, n, dtype=dtype, device=device) for _ in "ab"),
-    )
+    dst = torch.empty_like(src)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in "ab")
 
     def rate(fn: Callable[[], Any]) -> float:
         return 1 / statistics.median(gpu_seconds(fn) if cuda else seconds(fn, 5))

@@ -22,13 +22,8 @@ if __name__ == "__main__":
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="both sides")
     args = ap.parse_args()
     seeds, threads, base_seeds = map(parse_ints, (args.seeds, args.threads, args.baseline_seeds))
-    order = [
-        (kind, s, t)
-        for t in threads
-        for s in seeds
-        for kind in ("lora", "full")
-        if kind == "lora" or s in base_seeds
-    ]
+    order = [(kind, s, t) for t in threads for s in seeds for kind in ("lora", "full")]
+    order = [(kind, s, t) for kind, s, t in order if kind == "lora" or s in base_seeds]
     extra = tuple(args.overrides)
     configs = {"lora": (args.config, extra), "full": (args.baseline_config, extra)}
     runs, interrupted = sweep(order, configs, args.work)

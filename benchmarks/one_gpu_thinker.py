@@ -172,10 +172,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         arr = np.asarray(lengths, dtype=float)  # completion-length percentiles, mean and max
         percentiles = {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
         step = {"batching": by_engine}
-        step["completion_lengths"] = percentiles | {
-            "mean": float(arr.mean()),
-            "max": float(arr.max()),
-        }
+        percentiles |= {"mean": float(arr.mean()), "max": float(arr.max())}
+        step["completion_lengths"] = percentiles
         step |= {"variable_roofline_s": round(var_roofline_s, 3), "generation_s": round(gen_s, 3)}
         for phase in ("reference", "policy"):
             step[f"{phase}_s"] = round(metrics.get(f"time_{phase}_s", float("nan")), 3)
@@ -208,11 +206,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out |= {"config": config | {k: vars(args)[k] for k in CONFIG_KEYS}, "limits": limits}
     out["roofline"] = {"decode_bytes": decode_bytes, "prefill_flops": prefill_flops}
     out["roofline"] |= {"generation_s": roofline_s, "update_flops": update_flops}
-    out |= {
-        "build_s": round(build.s, 1),
-        "steps": steps,
-        "batching_summary": batching_summary(steps),
-    }
+    out |= {"build_s": round(build.s, 1), "steps": steps}
+    out["batching_summary"] = batching_summary(steps)
     out |= {"last": last, "peak_allocated_gib": round(peak, 2), "samples_per_s": ours, "trl": trl}
     out["samples_per_s_ratio_vs_trl"] = ours / trl["samples_per_s"] if trl else None
     out["versions"] = harness.versions("peft")

@@ -75,9 +75,8 @@ if __name__ == "__main__":
     record = {"device": args.device, "torch_threads": torch.get_num_threads(), "batch": args.batch}
     record["seq_len"] = ids.shape[1]
     for kind in ("video", "audio"):
-        record[f"{kind}_tokens_per_row"] = int(
-            (ids[0] == getattr(config, f"{kind}_token_id")).sum()
-        )
+        token = getattr(config, f"{kind}_token_id")
+        record[f"{kind}_tokens_per_row"] = int((ids[0] == token).sum())
     for tag, stat in (("", min), ("_median", statistics.median)):
         ms = [stat(t_ours) * 1e3, stat(t_ref) * 1e3]
         record |= {f"omni_rope{tag}_ms": round(ms[0], 3), f"reference{tag}_ms": round(ms[1], 3)}

@@ -198,9 +198,8 @@ def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = F
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
     kw["autocast_dtype"] = torch.bfloat16 if device.type == "cuda" else None
     banned = media_token_ids(thinker) + ([] if stop else eos)
-    return EmbeddedEngine(
-        thinker, eos if stop else [], device=device, banned_token_ids=banned, **kw
-    )
+    kw["banned_token_ids"] = banned
+    return EmbeddedEngine(thinker, eos if stop else [], device=device, **kw)
 
 
 def trainer(thinker: Any, device: torch.device, pad: int, lora: Any, kl: float, **kw: Any) -> Any:

@@ -117,14 +117,12 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     out = summary(args, ends, tokens)
     if cuda:  # the counter was reset per phase: the step's peak is the larger phase's
         out["peak_gpu_mem_gib"] = max(max(peak.values()), harness.peak_bytes(dev) / harness.GIB)
-    return out | {
-        "generation_s_median": statistics.median(gen_s[args.warmup :]),
-        "rollout_trainer_mean_abs_dlogp": statistics.fmean(diffs[args.warmup :]),
-        "rollout_trainer_mean_abs_dlogp_per_step": diffs,
-        "prompt_tokens": [len(p.input_ids) for p in prompts],
-        "peak_gpu_mem_gib_by_phase": peak if cuda else None,
-        "versions": harness.versions("omni-grpo"),
-    }
+    out["generation_s_median"] = statistics.median(gen_s[args.warmup :])
+    out["rollout_trainer_mean_abs_dlogp"] = statistics.fmean(diffs[args.warmup :])
+    out["rollout_trainer_mean_abs_dlogp_per_step"] = diffs
+    out |= {"prompt_tokens": [len(p.input_ids) for p in prompts]}
+    out |= {"peak_gpu_mem_gib_by_phase": peak if cuda else None}
+    return out | {"versions": harness.versions("omni-grpo")}
 
 
 # -------------------------------------------------------------------------------------- trl
@@ -196,21 +194,18 @@ def run_trl(
     run |= dict(max_steps=args.warmup + args.steps, bf16=device == "cuda", use_cpu=device == "cpu")
     config = GRPOConfig(**run, gradient_checkpointing=ckpt, **TRL_MATCHED)
     kw = dict(train_dataset=dataset, processing_class=processor, peft_config=peft)
-    GRPOTrainer(
-        model=model, reward_funcs=[reward], args=config, callbacks=[StepEnds()], **kw
-    ).train()
+    kw |= dict(model=model, reward_funcs=[reward], args=config, callbacks=[StepEnds()])
+    GRPOTrainer(**kw).train()
     first = copy.deepcopy(records[0]["prompt"])
     if records[0].get("image") is not None:
         first[0]["content"][0] = {"type": "image", "image": records[0]["image"]}
-    enc = processor.apply_chat_template(
-        [first], add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    return summary(args, ends, tokens) | {
-        "prompt_tokens_first": len(enc["input_ids"][0]),
-        "versions": harness.versions("trl"),
-        "experts_implementation": getattr(model.config, "_experts_implementation", None),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-    }
+    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
+    enc = processor.apply_chat_template([first], **kw)
+    out = summary(args, ends, tokens) | {"prompt_tokens_first": len(enc["input_ids"][0])}
+    out["versions"] = harness.versions("trl")
+    for impl in ("experts", "attn"):
+        out[f"{impl}_implementation"] = getattr(model.config, f"_{impl}_implementation", None)
+    return out
 
 
 def summary(args: argparse.Namespace, ends: list[float], tokens: list[int]) -> dict[str, Any]:
@@ -219,14 +214,11 @@ def summary(args: argparse.Namespace, ends: list[float], tokens: list[int]) -> d
     timed, tok = steps[args.warmup :], tokens[args.warmup :]
     med = statistics.median(timed)
     cuda = args.device == "cuda"
-    return {
-        "step_s_median": med,
-        "step_s_all": steps,
-        "samples_per_s": args.prompts * args.group / med,
-        "generated_tokens_per_s": sum(tok) / sum(timed),
-        "generated_tokens_per_step": tok,
-        "peak_gpu_mem_gib": harness.peak_bytes(args.device) / harness.GIB if cuda else None,
-    }
+    out = {"step_s_median": med, "step_s_all": steps}
+    out["samples_per_s"] = args.prompts * args.group / med
+    out |= {"generated_tokens_per_s": sum(tok) / sum(timed), "generated_tokens_per_step": tok}
+    out["peak_gpu_mem_gib"] = harness.peak_bytes(args.device) / harness.GIB if cuda else None
+    return out
 
 
 if __name__ == "__main__":

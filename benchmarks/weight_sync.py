@@ -23,10 +23,8 @@ def synthetic_state(mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     shapes |= {"self_attn.v_proj.weight": (kv * hd, h), "self_attn.o_proj.weight": (h, heads * hd)}
     shapes |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
     shapes |= {"mlp.gate.weight": (e, h)}  # the experts in memory layout: [E, 2I, H], [E, H, I]
-    shapes |= {
-        "mlp.experts.gate_up_proj": (e, 2 * inter, h),
-        "mlp.experts.down_proj": (e, h, inter),
-    }
+    shapes["mlp.experts.gate_up_proj"] = (e, 2 * inter, h)
+    shapes["mlp.experts.down_proj"] = (e, h, inter)
     lm = "model.language_model."
     top = {lm + "embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h)}
     top[lm + "norm.weight"] = (h,)
