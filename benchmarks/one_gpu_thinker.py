@@ -9,7 +9,13 @@ update MFU (``roofline``, over ``harness.device_limits`` measured in the same ru
 rollout<->trainer logprob mismatch. ``--lengths lognormal:MEDIAN:SIGMA``, ``--batching both``,
 ``--long-prompts``, ``--generation-only`` and the method: docs/one-gpu-lora.md.
 
-Prints ONE JSON object.
+Options: ``--long-prompts`` (every prompt a 32-frame video and 60 s of audio, unless given);
+``--batching both`` (each step with each decoder, same lengths; ``--static-batch-rows``: the
+static engine's, its KV must fit: 64 for 256 x 4096); ``--extra-groups N`` (also partial rollouts,
+N groups in flight); ``--micro-batch-tokens`` (pack rows of several prompts); ``--compile``,
+``--checkpoint-policy selective`` (keep the attention's products), ``--exact-logprobs``: the
+trainer's options; ``--write-run DIR`` (the drawn model, the media and an ``omni-grpo train``
+config: cli_run.py); ``--trl-steps N`` (then TRL + peft); ``--profile PATH`` (one more update).
 
     python benchmarks/one_gpu_thinker.py --work /tmp/og                       # H200, 8 x 8 x 512
     python benchmarks/one_gpu_thinker.py --work /tmp/og --prompts 32          # 256 rows
@@ -284,28 +290,16 @@ def profile_generation(
 
 
 if __name__ == "__main__":
-    ap = harness.parser(__doc__, work="/tmp/one_gpu_thinker", device="cuda")
-    harness.add_options(ap, widths=("real", "tiny"), layers=released.LAYERS, prompts=8, group=8)
-    harness.add_options(ap, max_new_tokens=512, image_size=448, video_size=224)
-    # --long-prompts: every prompt a 32-frame video and 60 s of audio (unless given otherwise)
-    harness.add_options(ap, audio_seconds=float, video_frames=int, long_prompts=False)
-    harness.add_options(ap, rank=16, alpha=32.0, targets="attention,experts")
-    harness.add_options(ap, expert_path=("grouped", "peft"), micro_batch_size=8)
-    # --micro-batch-tokens: pack rows of several prompts; --compile: trainer.compile (the layers'
-    # parts); --checkpoint-policy: recompute whole layers, or keep the attention's products
-    harness.add_options(ap, micro_batch_tokens=int, compile=False)
+    ap = harness.parser(__doc__, work="/tmp/one_gpu_thinker", device="cuda", layers=released.LAYERS)
+    harness.add_options(ap, widths=("real", "tiny"), prompts=8, group=8, max_new_tokens=512)
+    harness.add_options(ap, image_size=448, video_size=224, audio_seconds=float, video_frames=int)
+    harness.add_options(ap, rank=16, alpha=32.0, targets="attention,experts", micro_batch_size=8)
+    harness.add_options(ap, expert_path=("grouped", "peft"), micro_batch_tokens=int, compile=False)
     harness.add_options(ap, checkpoint_policy=("layer", "selective"), steps=2, seed=0)
-    # --extra-groups N: also partial rollouts (omni_grpo.rollout.partial), N groups in flight;
-    # --exact-logprobs: rollout.exact_logprobs; --lengths: uniform (every row --max-new-tokens)
-    # or lognormal:MEDIAN:SIGMA; --batching both: each step with each decoder, same lengths
-    harness.add_options(ap, extra_groups=0, exact_logprobs=False, lengths="uniform")
-    harness.add_options(ap, batching=("static", "continuous", "both"))
-    # --static-batch-rows: the static engine's max_batch_rows (its KV must fit: 64 for 256 x 4096)
-    harness.add_options(ap, static_batch_rows=512, generation_only=False)
-    # --write-run DIR: also the drawn model, the prompts' media and an omni-grpo train config
-    # there (cli_run.py): the CLI's step against this one; --trl-steps N: then TRL+peft, after
-    # --trl-warmup steps; --profile PATH: a profiler table of one more update there
-    harness.add_options(ap, write_run=Path, trl_steps=0, trl_warmup=1, profile=str)
+    harness.add_options(ap, extra_groups=0, exact_logprobs=False, lengths="uniform", trl_steps=0)
+    harness.add_options(ap, batching=("static", "continuous", "both"), static_batch_rows=512)
+    harness.add_options(ap, long_prompts=False, generation_only=False, write_run=Path)
+    harness.add_options(ap, trl_warmup=1, profile=str)
     args = ap.parse_args()
     args.audio_seconds = args.audio_seconds or (60.0 if args.long_prompts else 30.0)
     args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
