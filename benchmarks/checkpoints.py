@@ -32,9 +32,8 @@ def fill(shape: tuple[int, ...], noise: torch.Tensor) -> torch.Tensor:
 def write_shards(
     dst: Path, shapes: dict, limit: int, name: str, seed: int, over: bool, meta: Any = None
 ) -> dict[str, str]:
-    """``shapes`` as bf16 safetensors files ``dst/name.format(i=, n=)``, random-looking bytes tiled
-    from one draw, in order: a file ends before ``limit`` bytes (``over``: once it reaches them);
-    ``meta``: the files' header metadata. Returns tensor name -> file name."""
+    """``shapes`` as bf16 files ``dst/name.format(i=, n=)`` of ~``limit`` bytes (``over``: at least
+    that), bytes tiled from one random draw; returns tensor name -> file name."""
     noise = torch.randn(1 << 22, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     files: list[list[str]] = [[]]
     size = 0
@@ -108,8 +107,7 @@ def child(kind: str, *args: str | Path) -> dict[str, Any]:
 
 
 def rounds(work: Path, repeats: int, sides: dict[str, Side]) -> dict[str, list[dict[str, Any]]]:
-    """``repeats`` rounds of every side in turn; a side is (dirs whose files are read into the
-    page cache first, ``run(dst) -> {"seconds", ...}``). Each run's ``dst`` is deleted after."""
+    """``repeats`` rounds of every side in turn: (dirs read into the page cache first, run(dst))."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     for i in range(repeats):
         for name, (warm, run) in sides.items():
@@ -157,8 +155,7 @@ def measured(total: int, runs: list[dict[str, Any]], note: str, **facts: Any) ->
 
 
 def options(doc: str | None, name: str) -> argparse.ArgumentParser:
-    """``--workdir`` (kept between runs with ``--keep``), ``--layers`` (MoE layers, ~1.2 GB of
-    experts each), ``--shard-mb`` (input and output shards), ``--repeats``."""
+    """``--layers``: MoE layers, ~1.2 GB of experts each; ``--keep``: keep ``--workdir``."""
     work = Path(tempfile.gettempdir()) / f"omni-{name}-bench"
     return harness.parser(doc, workdir=work, layers=2, shard_mb=1000, repeats=3, keep=False)
 

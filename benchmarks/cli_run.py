@@ -25,8 +25,7 @@ RATE = 16000
 
 
 def write_vl(vl: torch.nn.Module, vl_dir: Path, dst: Path) -> None:
-    """The VL module's weights under the config and tokenizer files of ``vl_dir`` (its
-    ``config.json`` carries the sideband that ``save_pretrained``'s would not)."""
+    """The weights under ``vl_dir``'s files (its config.json carries the sideband, not theirs)."""
     vl.save_pretrained(dst, max_shard_size="4GB")
     for f in vl_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
@@ -34,8 +33,7 @@ def write_vl(vl: torch.nn.Module, vl_dir: Path, dst: Path) -> None:
 
 
 def write_audio(tower: Any, skeleton_audio: Path, dst: Path, device: torch.device) -> None:
-    """The frozen audio tower (``thinker.audio.tower``: the rig's real-width one, or the
-    skeleton's, loaded here) as an extracted audio directory."""
+    """The frozen audio tower (the rig's or the skeleton's) as an extracted audio directory."""
     from safetensors.torch import save_file
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -79,8 +77,7 @@ def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) ->
 
 
 def train_config(dst: Path, args: Any, device: str) -> dict[str, Any]:
-    """The one-GPU example with this benchmark's run: its trainer section as it is (on CUDA),
-    the benchmark's prompts, group, lengths, media limits and LoRA."""
+    """The one-GPU example's trainer (on CUDA) with this run's sizes, media limits and LoRA."""
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["run"] = {"dir": str(dst / "run"), "seed": args.seed, "steps": args.steps, "save_every": 0}
     model = {"extracted_dir": str(dst / "vl"), "audio_dir": str(dst / "audio")}

@@ -169,8 +169,7 @@ def child_stream(spec: str, model_dir: str, limit: int) -> dict[str, Any]:
 
 
 def stream(spec: Path, model_dir: Path, limit: int = 0) -> dict[str, Any]:
-    """:func:`child_stream` in a child, ``spec``'s files evicted from the page cache first:
-    every source streams cold, whatever order they were written in."""
+    """:func:`child_stream` in a child, ``spec`` evicted from the page cache: every source cold."""
     folder = spec if spec.is_dir() or spec.suffix == ".parquet" else spec.parent
     for f in [folder] if folder.is_file() else [p for p in folder.rglob("*") if p.is_file()]:
         with open(f, "rb") as fh:

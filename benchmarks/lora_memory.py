@@ -103,8 +103,7 @@ def fit(points: list[tuple[int, float]]) -> dict[str, float]:
 
 
 def child(layers: int) -> dict[str, Any]:
-    """One depth in its own process (its peak is its own); a failure is recorded, with whether
-    it ran out of memory."""
+    """One depth in its own process (its peak is its own); a failure recorded, OOM or not."""
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t = time.perf_counter()

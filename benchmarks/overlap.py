@@ -43,8 +43,7 @@ def recipe(config: str, run_dir: Path, steps: int, overrides: list[str]) -> Any:
 
 
 def run(config: str, run_dir: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
-    """One training run: samples/s and the mean of each phase (``steady``: without step 1,
-    which no run can overlap)."""
+    """One training run: samples/s and each phase's mean (``steady``: without step 1)."""
     cfg = recipe(config, run_dir, steps, overrides)
     train(cfg, progress=False)
     records = [r for r in harness.train_metrics(run_dir) if r["step"] > 0]

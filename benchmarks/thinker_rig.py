@@ -33,8 +33,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 
 def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -> dict[str, Any]:
-    """The skeleton's ``vl`` config at the requested widths and depth; ``vision_depth``: the
-    vision tower's (deepstack taps after its last 3 blocks), else the released one."""
+    """The skeleton's ``vl`` config at these widths and depths (deepstack: the last 3 blocks)."""
     cfg = json.loads((skeleton / "vl" / "config.json").read_text())
     text, vision = cfg["text_config"], cfg["vision_config"]
     if widths == "real":
@@ -51,8 +50,7 @@ def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -
 
 
 def vl_dir_at(skeleton: Path, dst: Path, layers: int, widths: str, vision_depth: int = 0) -> tuple:
-    """A weightless ``vl`` directory (:func:`config_at` + the skeleton's tokenizer/processor
-    files): what ``wrap_vl`` and the prompt builder read. Returns it and the config dict."""
+    """A weightless ``vl`` dir (the config, the tokenizer and processor files) and its config."""
     cfg = config_at(skeleton, layers, widths, vision_depth)
     dst.mkdir(parents=True, exist_ok=True)
     skip = ("config.json", "model.safetensors.index.json")
@@ -137,9 +135,7 @@ def write_images(root: Path, n: int, size: int) -> list[Path]:
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
-    """Install media loaders that return synthetic arrays (:func:`chirp` of ``--audio-seconds``,
-    also as every video's own sound track; :func:`video`); returns the prompt builder's matching
-    limits."""
+    """Media loaders of :func:`chirp` (also each video's sound) and :func:`video`; the limits."""
 
     def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
         return chirp(args.audio_seconds)
@@ -185,8 +181,7 @@ def samples(work: Path, n: int, kinds: tuple, size: int, question: str, long: bo
 
 
 def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
-    """The end-of-turn ids (banned: every sample runs to ``max_new_tokens``, the worst case)
-    and the pad id."""
+    """The end-of-turn ids (banned: every sample runs to ``max_new_tokens``) and the pad id."""
     eos = end_of_turn_ids(vl_dir, tok)
     return eos, int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
 

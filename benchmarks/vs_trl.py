@@ -70,8 +70,7 @@ def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> P
 
 
 def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One image per prompt (``thinker_rig.write_images``), or those frames rolled sideways as a
-    video (.npy: decoded frames)."""
+    """One image per prompt, or as a video (.npy: decoded frames) that image rolled sideways."""
     paths = rig.write_images(root, args.prompts, getattr(args, f"{args.media}_size"))
     for i, image in enumerate(paths if args.media == "video" else []):
         frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
