@@ -37,8 +37,7 @@ def _kernel(q: torch.Tensor, keys: list, values: list, start: Any, slot: Any) ->
 
 def run(args: Any) -> dict[str, Any]:
     limits = harness.device_limits("cuda", copy_gib=2)
-    bw = limits["copy_bytes_per_s"]
-    total = args.prompt + args.max_new
+    bw, total = limits["copy_bytes_per_s"], args.prompt + args.max_new
     out: dict[str, Any] = {"copy_bytes_per_s": bw, "limits": limits, "cases": []}
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
     for rows in args.rows:

@@ -39,8 +39,8 @@ def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[
         rig.real_audio_tower(thinker, skeleton / "audio", device, torch.bfloat16)
         builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
         question = "Describe it in detail."
-        samples, _ = rig.samples(Path(args.work), args.prompts, KINDS, args.image_size, question)
-        prompts = [builder.build(s, "/") for s in samples]
+        sized = (args.prompts, KINDS, args.image_size, question)
+        _, _, prompts = rig.samples(Path(args.work), builder, *sized)
         eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
         lora = LoraConfig(rank=16, alpha=32.0, targets=["attention", "experts"])
         lora = lora if mode == "lora" else None

@@ -206,8 +206,7 @@ def attention(dev: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {}
     positions = [400, 511, 512, 700, 1023]
     for label, full_fn in (("torch", torch_full), ("exact", exact_full)):
-        full = full_fn()
-        equal = []
+        full, equal = full_fn(), []
         for t in positions:
             dmask = torch.zeros(batch, 1, 1, length + extra, dtype=torch.bool, device=dev)
             dmask[:, 0, 0, : t + 1] = keys[: t + 1][None] >= starts[:, None]

@@ -56,8 +56,7 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
 
     builder = PromptBuilder(vl_dir, DataConfig(image_max_pixels=args.image_size**2))
     question = "Describe the colours in detail."
-    samples, _ = rig.samples(work, args.prompts, ("image",), args.image_size, question)
-    prompts = [builder.build(s, "/") for s in samples]
+    _, _, prompts = rig.samples(work, builder, args.prompts, ("image",), args.image_size, question)
     eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
     ckpt = {"micro_batch_size": args.group, "gradient_checkpointing": not args.no_checkpointing}

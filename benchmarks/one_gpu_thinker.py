@@ -82,8 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
     tok, kinds, question = builder.tokenizer, ("image", "audio", "video"), "Describe it in detail."
     sized = (args.prompts, kinds, args.image_size, question, args.long_prompts)
-    samples, images = rig.samples(work, *sized)
-    prompts = [builder.build(s, "/") for s in samples]
+    samples, images, prompts = rig.samples(work, builder, *sized)
     if args.write_run:  # before the trainer wraps the module with its adapters
         import cli_run
 

@@ -17,8 +17,7 @@ def text_sizes(cfg: dict[str, Any], lora_rank: int, targets: list[str]) -> dict[
     e, k, ffn = t["num_experts"], t["num_experts_per_tok"], t["moe_intermediate_size"]
     vocab, layers = t["vocab_size"], t["num_hidden_layers"]
     attn = h * heads * hd * 2 + h * kvh * hd * 2
-    expert = 3 * ffn * h
-    r = lora_rank
+    expert, r = 3 * ffn * h, lora_rank
     attn_lora = r * (2 * h + heads * hd) * 2 + r * (h + kvh * hd) * 2
     expert_lora = r * (h + 2 * ffn) + r * (ffn + h)  # per expert
     out = {"layers": layers, "hidden": h, "experts": e, "top_k": k}

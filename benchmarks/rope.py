@@ -24,8 +24,7 @@ MEL_FRAMES = int(FRAMES / FPS * 100)  # 16 kHz audio, hop 160: 100 mel frames a 
 
 def build_batch(config: OmniRopeConfig, batch: int, device: str) -> tuple[torch.Tensor, ...]:
     spg = TEMPORAL_PATCH / FPS
-    gen = torch.Generator().manual_seed(0)
-    rows = []
+    gen, rows = torch.Generator().manual_seed(0), []
     for i in range(batch):
         prefix = torch.randint(0, 5000, (20 + 7 * i,), generator=gen)
         suffix = torch.randint(0, 5000, (30 + 3 * i,), generator=gen)

@@ -154,10 +154,10 @@ def media_limits(args: argparse.Namespace) -> dict[str, Any]:
     return limits | {"max_frames": args.video_frames, "video_max_pixels": args.video_size**2}
 
 
-def samples(work: Path, n: int, kinds: tuple, size: int, question: str, long: bool = False):
-    """``n`` prompts cycling ``kinds`` (image, audio, video, text), one medium each, and the
-    images written for them (one per prompt). ``long``: every prompt one video WITH its own
-    sound track interleaved (``use_audio_in_video``: one ``<vision_start><audio_start>`` block
+def samples(work: Path, builder: Any, n: int, kinds: tuple, size: int, question: str, long=False):
+    """``n`` samples cycling ``kinds`` (image, audio, video, text), one medium each, the images
+    written for them (one per prompt) and ``builder``'s prompts. ``long``: every prompt one video
+    WITH its own sound track interleaved (``use_audio_in_video``: one ``<vision_start><audio_start>`` block
     of frame chunks and audio in time order), as audio-visual QA prompts come. The video files
     only need to exist: the loaders (frames and track) are :func:`synthetic_media`'s."""
     images = write_images(work / "media", n, size)
@@ -177,7 +177,7 @@ def samples(work: Path, n: int, kinds: tuple, size: int, question: str, long: bo
             kind, media = "video", [medium("video", i)]
             text = f"<video>Question {i}. What is said while this happens?"
         out.append(Sample(f"p{i}", text, "", media, modality=kind, use_audio_in_video=long))
-    return out, images
+    return out, images, [builder.build(s, "/") for s in out]
 
 
 def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:

@@ -52,7 +52,6 @@ def reward_text(text: str) -> float:
     return sum(ch in "aeiou" for ch in text.lower()) / max(len(text), 1)
 
 
-# ------------------------------------------------------------------------------ the checkpoint
 def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> Path:
     """A random ``vl`` checkpoint (``thinker_rig.build_vl``, saved) with the skeleton's files at
     the requested widths and depth; the vision tower at depth ``max(layers, 3)``, the audio tower
@@ -79,7 +78,6 @@ def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     return [{"id": f"p{i}", "path": str(p), "text": text[i]} for i, p in enumerate(paths)]
 
 
-# ------------------------------------------------------------------------------------- ours
 def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[str, Any]]) -> dict:
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
     prompt_mod.load_video = lambda path, fps, max_frames: VideoClip(np.load(path), args.fps)
@@ -124,7 +122,6 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     return out | {"versions": harness.versions("omni-grpo")}
 
 
-# -------------------------------------------------------------------------------------- trl
 def run_trl(
     args: Any, vl: Path, rows: list, model: Any = None, peft: Any = None, ckpt: bool = False
 ) -> dict:
@@ -211,8 +208,7 @@ def summary(args: argparse.Namespace, ends: list[float], tokens: list[int]) -> d
     """Step times (between consecutive step ends) after the warm-up steps, and their rates."""
     steps = np.diff(ends).tolist()
     timed, tok = steps[args.warmup :], tokens[args.warmup :]
-    med = statistics.median(timed)
-    cuda = args.device == "cuda"
+    med, cuda = statistics.median(timed), args.device == "cuda"
     out = {"step_s_median": med, "step_s_all": steps}
     out["samples_per_s"] = args.prompts * args.group / med
     out |= {"generated_tokens_per_s": sum(tok) / sum(timed), "generated_tokens_per_step": tok}

@@ -77,8 +77,7 @@ if __name__ == "__main__":
     mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
     device = "cuda:0" if args.backend == "nccl" else "cpu"
     state = {k: v.to(device) for k, v in synthetic_state(args.mb, torch.bfloat16).items()}
-    nbytes = harness.nbytes(state.values())
-    bucket_bytes = args.bucket_mb << 20
+    nbytes, bucket_bytes = harness.nbytes(state.values()), args.bucket_mb << 20
     server_tensors = list(to_server_tensors(state.items(), "hf_memory"))
     with tempfile.TemporaryDirectory() as tmp:
         raw, ours = [], []
