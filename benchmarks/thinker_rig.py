@@ -157,9 +157,9 @@ def media_limits(args: argparse.Namespace) -> dict[str, Any]:
 def samples(work: Path, builder: Any, n: int, kinds: tuple, size: int, question: str, long=False):
     """``n`` samples cycling ``kinds`` (image, audio, video, text), one medium each, the images
     written for them (one per prompt) and ``builder``'s prompts. ``long``: every prompt one video
-    WITH its own sound track interleaved (``use_audio_in_video``: one ``<vision_start><audio_start>`` block
-    of frame chunks and audio in time order), as audio-visual QA prompts come. The video files
-    only need to exist: the loaders (frames and track) are :func:`synthetic_media`'s."""
+    WITH its own sound track interleaved (``use_audio_in_video``: one block of frame chunks and
+    audio in time order), as audio-visual QA prompts come. The video files only need to exist:
+    the loaders (frames and track) are :func:`synthetic_media`'s."""
     images = write_images(work / "media", n, size)
 
     def medium(kind: str, i: int) -> dict[str, str]:
