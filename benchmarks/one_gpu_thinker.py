@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import cli_run
 import harness
 import numpy as np
 import released
@@ -66,7 +67,90 @@ def draw_lengths(spec: str, rows: int, limit: int, seed: Any) -> list[int]:
     return [int(x) for x in np.clip(np.ceil(draw), 1, limit)]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def batching_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each engine over every step: tokens/s (all tokens / all seconds), the mean roofline
+    ratio, and its tokens/s against the static decoder's (the engine before batching) when run."""
+    out: dict[str, Any] = {}
+    for name in steps[0]["batching"]:
+        runs = [st["batching"][name] for st in steps]
+        rate = sum(r["new_tokens"] for r in runs) / sum(r["generation_s"] for r in runs)
+        ratio = sum(r["variable_roofline_ratio"] for r in runs) / len(runs)
+        out[name] = {"tokens_per_s": round(rate, 1), "variable_roofline_ratio": round(ratio, 4)}
+    for entry in out.values() if "static" in out else ():
+        entry["vs_static"] = round(entry["tokens_per_s"] / out["static"]["tokens_per_s"], 3)
+    return out
+
+
+def partial_roofline_s(engine: Any, sizes: dict, copy_rate: float, matmul_rate: float) -> float:
+    """The roofline of a partial-rollouts call: the rows it decoded (from where each resumed,
+    live while they drew tokens) and the prompts and resumed samples it prefilled."""
+    contexts, drawn = [c for c, _ in engine.last_rows], [max(1, n) for _, n in engine.last_rows]
+    decode = roofline.variable_decode_bytes(sizes, contexts, drawn)
+    prefill = roofline.forward_flops(sizes, engine.last_prefill, len(engine.last_prefill))
+    return decode / copy_rate + prefill / matmul_rate
+
+
+def _dynamo_counters() -> dict[str, Any]:
+    """How many graphs ``trainer.compile`` made and where it broke them (a break costs fusion)."""
+    from torch._dynamo.utils import counters
+
+    breaks = {k.split("\n")[0][:120]: v for k, v in counters["graph_break"].items()}
+    return {"stats": dict(counters["stats"]), "graph_breaks": breaks}
+
+
+def run_trl_side(args: Any, cfg: dict, vl_dir: Path, samples: list, images: list) -> dict:
+    """The same random model (same seed), prompts and batch through TRL's ``GRPOTrainer`` with
+    peft (our LoRA targets as peft's config), vision frozen, checkpointing on, after our model is
+    freed. TRL gets every prompt as an image prompt (recorded in the result: ``media``), so the
+    ratio is against TRL on the cheaper prompts."""
+    from vs_trl import run_trl
+
+    gc.collect()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = rig.build_vl(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # every prompt as its index's image prompt: the VL model has no audio tower, and TRL 1.16
+    # passes a mixed image + video batch's frame lists to the processor as separate videos
+    texts = [x.prompt.replace(f"<{x.modality}>", "<image>") for x in samples]
+    pairs = zip(samples, images, texts, strict=True)
+    rows = [{"id": x.uid, "path": str(p), "text": t} for x, p, t in pairs]
+    lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
+    steps = {"warmup": args.trl_warmup, "steps": args.trl_steps}
+    trl_args = argparse.Namespace(**vars(args) | steps | {"media": "image", "lr": 1e-5})
+    with contextlib.redirect_stdout(sys.stderr):  # TRL logs its steps on stdout: one JSON here
+        out = run_trl(trl_args, vl_dir, rows, model, peft_config(lora), True)
+    return out | {"media": ["image"] * len(rows)}
+
+
+def profile_generation(
+    engine: Any, thinker: Any, prompts: list, group: int, sampling: Any, dst: Path
+) -> None:
+    """One more generation of 64 new tokens, eager (a CUDA graph's kernels are not traced one
+    by one), its media encoded as in a timed step: the table as ``<dst>.generation.txt``."""
+    clear_item_caches(thinker)  # a no-op with the option off
+    short = sampling.model_copy(update={"max_new_tokens": 64})
+    with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):
+        generate = lambda: engine.generate(prompts, group, short)  # noqa: E731
+        harness.profile_table(generate, dst.with_name(dst.name + ".generation.txt"))
+
+
+if __name__ == "__main__":
+    ap = harness.parser(__doc__, work="/tmp/one_gpu_thinker", device="cuda", layers=released.LAYERS)
+    harness.add_options(ap, widths=("real", "tiny"), prompts=8, group=8, max_new_tokens=512)
+    harness.add_options(ap, image_size=448, video_size=224, audio_seconds=float, video_frames=int)
+    harness.add_options(ap, rank=16, alpha=32.0, targets="attention,experts", micro_batch_size=8)
+    harness.add_options(ap, expert_path=("grouped", "peft"), micro_batch_tokens=int, compile=False)
+    harness.add_options(ap, checkpoint_policy=("layer", "selective"), steps=2, seed=0)
+    harness.add_options(ap, extra_groups=0, exact_logprobs=False, lengths="uniform", trl_steps=0)
+    harness.add_options(ap, batching=("static", "continuous", "both"), static_batch_rows=512)
+    harness.add_options(ap, long_prompts=False, generation_only=False, write_run=Path)
+    harness.add_options(ap, trl_warmup=1, profile=str)
+    args = ap.parse_args()
+    args.audio_seconds = args.audio_seconds or (60.0 if args.long_prompts else 30.0)
+    args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
+    harness.torch_threads(4)
     work, device, cuda = Path(args.work), torch.device(args.device), args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     skeleton = released.make_skeleton(work / "skeleton")
@@ -78,14 +162,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rig.real_audio_tower(thinker, skeleton / "audio", device, dtype)
     if cuda:
         torch.cuda.empty_cache()
-
     builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
     tok, kinds, question = builder.tokenizer, ("image", "audio", "video"), "Describe it in detail."
     sized = (args.prompts, kinds, args.image_size, question, args.long_prompts)
     samples, images, prompts = rig.samples(work, builder, *sized)
     if args.write_run:  # before the trainer wraps the module with its adapters
-        import cli_run
-
         made = (args.write_run, thinker, vl_dir, skeleton, samples, images, args)
         print(f"omni-grpo train --config {cli_run.write_run(*made)}", file=sys.stderr, flush=True)
     eos, pad = rig.stop_ids(vl_dir, tok)
@@ -216,91 +297,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out |= {"last": last, "peak_allocated_gib": round(peak, 2), "samples_per_s": ours, "trl": trl}
     out["samples_per_s_ratio_vs_trl"] = ours / trl["samples_per_s"] if trl else None
     out["versions"] = harness.versions("peft")
-    return out | {"dynamo": _dynamo_counters() if args.compile else None}
-
-
-def batching_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each engine over every step: tokens/s (all tokens / all seconds), the mean roofline
-    ratio, and its tokens/s against the static decoder's (the engine before batching) when run."""
-    out: dict[str, Any] = {}
-    for name in steps[0]["batching"]:
-        runs = [st["batching"][name] for st in steps]
-        rate = sum(r["new_tokens"] for r in runs) / sum(r["generation_s"] for r in runs)
-        ratio = sum(r["variable_roofline_ratio"] for r in runs) / len(runs)
-        out[name] = {"tokens_per_s": round(rate, 1), "variable_roofline_ratio": round(ratio, 4)}
-    for entry in out.values() if "static" in out else ():
-        entry["vs_static"] = round(entry["tokens_per_s"] / out["static"]["tokens_per_s"], 3)
-    return out
-
-
-def partial_roofline_s(engine: Any, sizes: dict, copy_rate: float, matmul_rate: float) -> float:
-    """The roofline of a partial-rollouts call: the rows it decoded (from where each resumed,
-    live while they drew tokens) and the prompts and resumed samples it prefilled."""
-    contexts, drawn = [c for c, _ in engine.last_rows], [max(1, n) for _, n in engine.last_rows]
-    decode = roofline.variable_decode_bytes(sizes, contexts, drawn)
-    prefill = roofline.forward_flops(sizes, engine.last_prefill, len(engine.last_prefill))
-    return decode / copy_rate + prefill / matmul_rate
-
-
-def _dynamo_counters() -> dict[str, Any]:
-    """How many graphs ``trainer.compile`` made and where it broke them (a break costs fusion)."""
-    from torch._dynamo.utils import counters
-
-    breaks = {k.split("\n")[0][:120]: v for k, v in counters["graph_break"].items()}
-    return {"stats": dict(counters["stats"]), "graph_breaks": breaks}
-
-
-def run_trl_side(args: Any, cfg: dict, vl_dir: Path, samples: list, images: list) -> dict:
-    """The same random model (same seed), prompts and batch through TRL's ``GRPOTrainer`` with
-    peft (our LoRA targets as peft's config), vision frozen, checkpointing on, after our model is
-    freed. TRL gets every prompt as an image prompt (recorded in the result: ``media``), so the
-    ratio is against TRL on the cheaper prompts."""
-    from vs_trl import run_trl
-
-    gc.collect()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    model = rig.build_vl(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    # every prompt as its index's image prompt: the VL model has no audio tower, and TRL 1.16
-    # passes a mixed image + video batch's frame lists to the processor as separate videos
-    texts = [x.prompt.replace(f"<{x.modality}>", "<image>") for x in samples]
-    pairs = zip(samples, images, texts, strict=True)
-    rows = [{"id": x.uid, "path": str(p), "text": t} for x, p, t in pairs]
-    lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
-    steps = {"warmup": args.trl_warmup, "steps": args.trl_steps}
-    trl_args = argparse.Namespace(**vars(args) | steps | {"media": "image", "lr": 1e-5})
-    with contextlib.redirect_stdout(sys.stderr):  # TRL logs its steps on stdout: one JSON here
-        out = run_trl(trl_args, vl_dir, rows, model, peft_config(lora), True)
-    return out | {"media": ["image"] * len(rows)}
-
-
-def profile_generation(
-    engine: Any, thinker: Any, prompts: list, group: int, sampling: Any, dst: Path
-) -> None:
-    """One more generation of 64 new tokens, eager (a CUDA graph's kernels are not traced one
-    by one), its media encoded as in a timed step: the table as ``<dst>.generation.txt``."""
-    clear_item_caches(thinker)  # a no-op with the option off
-    short = sampling.model_copy(update={"max_new_tokens": 64})
-    with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):
-        generate = lambda: engine.generate(prompts, group, short)  # noqa: E731
-        harness.profile_table(generate, dst.with_name(dst.name + ".generation.txt"))
-
-
-if __name__ == "__main__":
-    ap = harness.parser(__doc__, work="/tmp/one_gpu_thinker", device="cuda", layers=released.LAYERS)
-    harness.add_options(ap, widths=("real", "tiny"), prompts=8, group=8, max_new_tokens=512)
-    harness.add_options(ap, image_size=448, video_size=224, audio_seconds=float, video_frames=int)
-    harness.add_options(ap, rank=16, alpha=32.0, targets="attention,experts", micro_batch_size=8)
-    harness.add_options(ap, expert_path=("grouped", "peft"), micro_batch_tokens=int, compile=False)
-    harness.add_options(ap, checkpoint_policy=("layer", "selective"), steps=2, seed=0)
-    harness.add_options(ap, extra_groups=0, exact_logprobs=False, lengths="uniform", trl_steps=0)
-    harness.add_options(ap, batching=("static", "continuous", "both"), static_batch_rows=512)
-    harness.add_options(ap, long_prompts=False, generation_only=False, write_run=Path)
-    harness.add_options(ap, trl_warmup=1, profile=str)
-    args = ap.parse_args()
-    args.audio_seconds = args.audio_seconds or (60.0 if args.long_prompts else 30.0)
-    args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
-    harness.torch_threads(4)
-    harness.emit("one_gpu_thinker", run(args), args.save)
+    out["dynamo"] = _dynamo_counters() if args.compile else None
+    harness.emit("one_gpu_thinker", out, args.save)
