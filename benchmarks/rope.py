@@ -22,24 +22,6 @@ GRID = (FRAMES // TEMPORAL_PATCH, 16, 16)  # patches; 8x8 after the 2x2 merge
 MEL_FRAMES = int(FRAMES / FPS * 100)  # 16 kHz audio, hop 160: 100 mel frames a second
 
 
-def build_batch(config: OmniRopeConfig, batch: int, device: str) -> tuple[torch.Tensor, ...]:
-    spg = TEMPORAL_PATCH / FPS
-    gen, rows = torch.Generator().manual_seed(0), []
-    for i in range(batch):
-        prefix = torch.randint(0, 5000, (20 + 7 * i,), generator=gen)
-        suffix = torch.randint(0, 5000, (30 + 3 * i,), generator=gen)
-        seg = audio_in_video_segment_ids(config, GRID, spg, MEL_FRAMES)
-        rows.append(torch.cat([prefix, seg, suffix]))
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
-    grids, spgs = torch.tensor([GRID] * batch), torch.full((batch,), spg)
-    frames = torch.full((batch,), MEL_FRAMES)
-    return tuple(t.to(device) for t in (ids, mask, grids, spgs, frames))
-
-
 if __name__ == "__main__":
     args = harness.parser(__doc__, repeats=40, batch=8, device="cpu", threads=1).parse_args()
     if args.threads:
@@ -47,7 +29,21 @@ if __name__ == "__main__":
     omni = build_config(TinyOmniSpec(), REAL_IDS, vocab_size=1024)
     config = OmniRopeConfig.from_omni_config(omni)
     reference = Qwen3OmniMoeThinkerForConditionalGeneration(omni.thinker_config).eval()
-    ids, mask, grids, spgs, frames = build_batch(config, args.batch, args.device)
+    spg, batch = TEMPORAL_PATCH / FPS, args.batch
+    gen, rows = torch.Generator().manual_seed(0), []
+    for i in range(batch):  # each row: text, a 32-frame video with its soundtrack, text
+        prefix = torch.randint(0, 5000, (20 + 7 * i,), generator=gen)
+        suffix = torch.randint(0, 5000, (30 + 3 * i,), generator=gen)
+        seg = audio_in_video_segment_ids(config, GRID, spg, MEL_FRAMES)
+        rows.append(torch.cat([prefix, seg, suffix]))
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):  # left-padded
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    grids, spgs = torch.tensor([GRID] * batch), torch.full((batch,), spg)
+    batch_tensors = (ids, mask, grids, spgs, torch.full((batch,), MEL_FRAMES))
+    ids, mask, grids, spgs, frames = (t.to(args.device) for t in batch_tensors)
 
     def ours() -> tuple[torch.Tensor, torch.Tensor]:
         kw = {"video_grid_thw": grids, "second_per_grids": spgs, "audio_seqlens": frames}

@@ -21,15 +21,6 @@ from omni_grpo.models import load_thinker
 from omni_grpo.testing.models import Ids, build_batch
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
-
-def samples(batch: int) -> list[list[tuple]]:
-    txt, image, av = [5, 6, 7, 8, 9], ("image", (1, 8, 8)), ("av", (4, 8, 8), 1.0, 300)
-    return [
-        [("text", txt * (1 + i % 3)), image, ("audio", 400 + 50 * i), av, ("text", txt)]
-        for i in range(batch)
-    ]
-
-
 if __name__ == "__main__":
     args = harness.parser(__doc__, repeats=20, batch=8, device="cpu", threads=1).parse_args()
     if args.threads:
@@ -44,7 +35,12 @@ if __name__ == "__main__":
         thinker = load_thinker(root / "vl", dtype="float32", device=args.device)
         side = json.loads((root / "vl" / "config.json").read_text())["omni_sideband"]
         pad = json.loads((root / "vl" / "generation_config.json").read_text())["pad_token_id"]
-        batch = build_batch(samples(args.batch), Ids.from_sideband(side, pad), "left")
+        txt, image, av = [5, 6, 7, 8, 9], ("image", (1, 8, 8)), ("av", (4, 8, 8), 1.0, 300)
+        rows = [
+            [("text", txt * (1 + i % 3)), image, ("audio", 400 + 50 * i), av, ("text", txt)]
+            for i in range(args.batch)
+        ]
+        batch = build_batch(rows, Ids.from_sideband(side, pad), "left")
         batch = {k: v.to(args.device) for k, v in batch.items()}
         with torch.no_grad():
             ours_logits = thinker(**batch, use_audio_in_video=True).logits
