@@ -24,17 +24,12 @@ import pyarrow.parquet as pq
 import soundfile as sf
 from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 from omni_grpo.config import DataConfig
+from omni_grpo.data import tables
 from omni_grpo.data.dataset import OmniDataset
 from omni_grpo.data.media import resolve_media
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.data.sources import read_samples
 from omni_grpo.data.synthetic import generate_synthetic
-from omni_grpo.data.tables import (
-    EMBED_ROW_GROUP_BYTES,
-    embedded_schema,
-    write_embedded_parquet,
-    writer_options,
-)
 from PIL import Image
 
 IMAGE_SIDE = 1024  # 3 MiB of BMP per streamed row
@@ -48,7 +43,7 @@ def dataset(spec: Path, root: Path | None, model_dir: Path) -> Any:
 
 def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> dict[str, Any]:
     train, _ = generate_synthetic(tmp / "files", ("image", "audio", "video"), rows_per_task, 1, 0)
-    write_embedded_parquet(read_samples(train), train.parent, tmp / "rows.parquet")
+    tables.write_embedded_parquet(read_samples(train), train.parent, tmp / "rows.parquet")
     sources = {"jsonl": dataset(train, train.parent, model_dir)}
     sources["parquet"] = dataset(tmp / "rows.parquet", None, model_dir)
     n = len(sources["jsonl"])
@@ -111,12 +106,12 @@ def stream_rows(n_rows: int, rng: np.random.Generator) -> Iterator[tuple[bytes, 
 
 def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
     """A parquet of more than ``gb`` GB of embedded media, and the same rows as jsonl + files."""
-    schema, files = embedded_schema(), tmp / "stream_files"
+    schema, files = tables.embedded_schema(), tmp / "stream_files"
     files.mkdir()
     parquet, jsonl = tmp / "stream.parquet", files / "rows.jsonl"
     n_rows = int(gb * 1e9 / (IMAGE_SIDE**2 * 3 + int(AUDIO_SECONDS * 16000) * 2)) + 1
     with (
-        pq.ParquetWriter(str(parquet), schema, **writer_options()) as writer,
+        pq.ParquetWriter(str(parquet), schema, **tables.writer_options()) as writer,
         jsonl.open("w") as jf,
     ):
         batch: list[dict[str, Any]] = []
@@ -132,7 +127,7 @@ def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
             row["audios"] = [{"bytes": wav, "path": f"{k}.wav"}]
             batch.append(row)
             size += len(img) + len(wav)
-            if size >= EMBED_ROW_GROUP_BYTES:
+            if size >= tables.EMBED_ROW_GROUP_BYTES:
                 writer.write_table(pa.Table.from_pylist(batch, schema))
                 batch, size = [], 0
         if batch:

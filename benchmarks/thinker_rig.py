@@ -26,10 +26,7 @@ from omni_grpo.trainer import end_of_turn_ids
 from omni_grpo.types import Sample
 from PIL import Image
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
-    Qwen3OmniMoeAudioEncoderConfig,
-)
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as omni_modeling
 
 
 def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -> dict[str, Any]:
@@ -93,8 +90,8 @@ def real_audio_tower(thinker: Any, skeleton_audio: Path, device: Any, dtype: tor
     cfg.pop("model_type", None)
     cfg.update(released.AUDIO)
     cfg["output_dim"] = thinker.config.text_config.hidden_size
-    config = Qwen3OmniMoeAudioEncoderConfig(**cfg)
-    module = _drawn(lambda: Qwen3OmniMoeAudioEncoder(config), device, dtype)
+    config = omni_modeling.Qwen3OmniMoeAudioEncoderConfig(**cfg)
+    module = _drawn(lambda: omni_modeling.Qwen3OmniMoeAudioEncoder(config), device, dtype)
     tower = thinker.audio.tower
     tower._module, tower._config = module.to(dtype).eval().requires_grad_(False), config
 
