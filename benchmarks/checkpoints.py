@@ -177,49 +177,30 @@ def finish(name: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------- the children
-def _ranges(run: Path) -> list[tuple[str, int, int]]:
-    """Every (file, offset, length) byte range ``export_run(run)`` moves, in its order."""
-    from omni_extract.export import build_export_plan
-    from omni_extract.source import open_source
-    from omni_grpo.export.run import default_base, find_checkpoint, open_trained
-
-    source = open_source(default_base(run))
-    trained = open_trained(find_checkpoint(run, None).files, source)
-    ranges = []
-    for t in build_export_plan(source, trained).tensors:
-        if t.base is not None:
-            src = t.base.source
-            ranges.append((str(source.root / src.file), src.offset, src.nbytes))
-        else:
-            part = t.part and trained.hub_expert(t.trained, t.expert, t.part)
-            p = part or trained.tensor(t.trained)
-            ranges.append((str(p.path), p.offset, p.nbytes))
-    return ranges
-
-
-def _send(ranges: list[tuple[str, int, int]], dst: Path) -> None:
-    """The same bytes, literally: ``ranges`` sendfile'd into one file by a plain loop."""
-    out = os.open(dst / "all.bin", os.O_WRONLY | os.O_CREAT, 0o644)
-    for path, offset, n in ranges:
-        fd = os.open(path, os.O_RDONLY)
-        while n:
-            sent = os.sendfile(out, fd, offset, n)
-            offset, n = offset + sent, n - sent
-        os.close(fd)
-    os.close(out)
-
-
 def _child_main(kind: str, src: str, dst: str, shard: str = "0") -> dict[str, Any]:
     """One side, timed inside this process after the shared prelude (imports timed apart)."""
     with harness.timed() as imports:
         from omni_extract import extract
+        from omni_extract.export import build_export_plan
+        from omni_extract.source import open_source
         from omni_grpo.export import export_run
+        from omni_grpo.export.run import default_base, find_checkpoint, open_trained
         from transformers import Qwen3OmniMoeThinkerForConditionalGeneration as Thinker
     out: dict[str, Any] = {"import_seconds": imports.s}
-    ranges = _ranges(Path(src)) if kind == "ranges" else []  # planned untimed
     if kind == "copy":
         return out | copy_shards(Path(src), Path(dst))
+    ranges = []  # "ranges": every (file, offset, length) export_run(src) moves, planned untimed
     if kind == "ranges":
+        source = open_source(default_base(Path(src)))
+        trained = open_trained(find_checkpoint(Path(src), None).files, source)
+        for t in build_export_plan(source, trained).tensors:
+            if t.base is not None:
+                where = t.base.source
+                ranges.append((str(source.root / where.file), where.offset, where.nbytes))
+            else:
+                part = t.part and trained.hub_expert(t.trained, t.expert, t.part)
+                p = part or trained.tensor(t.trained)
+                ranges.append((str(p.path), p.offset, p.nbytes))
         Path(dst).mkdir(parents=True)
     with harness.timed() as t:
         if kind == "vl":
@@ -231,8 +212,15 @@ def _child_main(kind: str, src: str, dst: str, shard: str = "0") -> dict[str, An
         elif kind == "naive":
             model = Thinker.from_pretrained(src, dtype=torch.bfloat16)
             model.save_pretrained(dst, max_shard_size=int(shard))
-        else:
-            _send(ranges, Path(dst))
+        else:  # the same bytes, literally: the ranges sendfile'd into one file by a plain loop
+            into = os.open(Path(dst) / "all.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+            for path, offset, n in ranges:
+                fd = os.open(path, os.O_RDONLY)
+                while n:
+                    sent = os.sendfile(into, fd, offset, n)
+                    offset, n = offset + sent, n - sent
+                os.close(fd)
+            os.close(into)
             out["ranges"] = len(ranges)
     shards = [f.stat().st_size for f in Path(dst).glob("*.safetensors")]
     out |= {"largest_output_shard_bytes": max(shards, default=0)}
