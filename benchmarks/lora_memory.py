@@ -53,7 +53,6 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / GIB
-
     builder = PromptBuilder(vl_dir, DataConfig(image_max_pixels=args.image_size**2))
     question = "Describe the colours in detail."
     _, _, prompts = rig.samples(work, builder, args.prompts, ("image",), args.image_size, question)
@@ -131,7 +130,6 @@ if __name__ == "__main__":
     if args.child is not None:
         print(json.dumps(run_depth(args, args.child)), flush=True)
         sys.exit()
-
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if not args.skeleton:

@@ -153,8 +153,7 @@ if __name__ == "__main__":
     harness.torch_threads(4)
     work, device, cuda = Path(args.work), torch.device(args.device), args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    skeleton = released.make_skeleton(work / "skeleton")
-    limits = harness.device_limits(device)
+    skeleton, limits = released.make_skeleton(work / "skeleton"), harness.device_limits(device)
     vl_dir, cfg = rig.vl_dir_at(skeleton, work / f"vl-{args.layers}", args.layers, args.widths)
     with harness.timed(device) as build:
         thinker = rig.thinker_at(cfg, vl_dir, skeleton, device, dtype)
@@ -209,7 +208,6 @@ if __name__ == "__main__":
     copy_rate, matmul_rate = limits["copy_bytes_per_s"], limits["matmul_flops_per_s"]
     roofline_s = decode_bytes / copy_rate + prefill_flops / matmul_rate
     row_prompt_lens = [n for n in prompt_lens for _ in range(args.group)]
-
     steps: list[dict[str, Any]] = []
     torch.manual_seed(args.seed)
     peak = 0.0

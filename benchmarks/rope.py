@@ -9,6 +9,7 @@ nothing from intra-op threads on a shared box (``--threads 0``: torch's default)
 """
 
 import statistics
+from functools import partial
 
 import harness
 import torch
@@ -44,14 +45,9 @@ if __name__ == "__main__":
     grids, spgs = torch.tensor([GRID] * batch), torch.full((batch,), spg)
     batch_tensors = (ids, mask, grids, spgs, torch.full((batch,), MEL_FRAMES))
     ids, mask, grids, spgs, frames = (t.to(args.device) for t in batch_tensors)
-
-    def ours() -> tuple[torch.Tensor, torch.Tensor]:
-        kw = {"video_grid_thw": grids, "second_per_grids": spgs, "audio_seqlens": frames}
-        return get_rope_index(ids, mask, config, **kw, use_audio_in_video=True)
-
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.get_rope_index(ids, None, grids, mask, True, frames, spgs)
-
+    kw = {"video_grid_thw": grids, "second_per_grids": spgs, "audio_seqlens": frames}
+    ours = partial(get_rope_index, ids, mask, config, **kw, use_audio_in_video=True)
+    ref = partial(reference.get_rope_index, ids, None, grids, mask, True, frames, spgs)
     t_ours = harness.seconds(ours, args.repeats, args.device)
     t_ref = harness.seconds(ref, max(5, args.repeats // 4), args.device)
     (pos, delta), (rpos, rdelta) = ours(), ref()
