@@ -9,20 +9,16 @@ puts the script's folder on ``sys.path``, so ``import harness`` works from any w
     limits = harness.device_limits(device)  # copy_bytes_per_s, matmul_flops_per_s: measured here
     with harness.timed(device) as gen:      # gen.s: wall seconds, CUDA synchronised at both ends
         ...
-    harness.seconds(fn, repeats, device)    # wall seconds of each call after a warm-up call
-    harness.gpu_seconds(fn, repeats)        # GPU seconds of each call (CUDA events)
-    harness.now(device)                     # perf_counter once the queued CUDA work is done
-    harness.peak_bytes(device, reset)       # CUDA peak allocation, else this process's peak RSS
-    harness.status_kb("VmHWM")              # /proc/self/status figures (a child's own peak RSS)
-    harness.nbytes(tensors)                 # their bytes; state_tensors(optimizer): its state's
-    harness.profile_table(fn, dst)          # fn() under torch.profiler: its ops' table to dst
-    harness.torch_threads(default)          # OMNI_GRPO_TORCH_THREADS, else ``default``
-    harness.child_json(argv)                # a side in its own process: its last JSON line
-    harness.rerun("--side", "ours")         # child_json of this script's own command + those
-    harness.train_metrics(run_dir)          # a training run's metrics.jsonl; means(rows, keys)
-    harness.versions("peft")                # python, git commit, GPU, torch, transformers, triton
     harness.emit(NAME, record, args.save)   # print (+ "benchmark", "versions"); --save MACHINE
                                             # also writes benchmarks/results/NAME_MACHINE.json
+
+Clocks: ``seconds(fn, repeats, device)`` (wall, after a warm-up call), ``gpu_seconds(fn, repeats)``
+(CUDA events), ``now(device)``. Memory: ``peak_bytes(device, reset)`` (CUDA's peak, else this
+process's peak RSS), ``status_kb("VmHWM")`` (a child's own peak RSS), ``nbytes(tensors)``,
+``state_tensors(optimizer)``. Processes: ``child_json(argv)`` (a side in its own process: its
+last JSON line), ``rerun("--side", "ours")`` (this script's own command + those),
+``torch_threads(default)``. Records: ``train_metrics(run_dir)``, ``means(rows, keys)``,
+``profile_table(fn, dst)`` (the ops' table), ``versions("peft")`` (python, git, GPU, packages).
 
 The baseline a figure is compared with is measured in the same run, never hard-coded: a ratio to
 a number from another day measures the other day's load.
