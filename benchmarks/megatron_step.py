@@ -96,9 +96,8 @@ def bench_sync(state: Any, device: torch.device, bucket_mb: int) -> dict[str, An
     store = host_store("127.0.0.1", 2, 600)
     rounds = 4  # warm-up sync, timed sync, warm-up raw, timed raw
     proc = start_receiver(store.port, "cuda:1", None, rounds, "omni_grpo_bench")
-    group = build_group(
-        store, group_name="omni_grpo_bench", world_size=2, rank=0, backend="nccl", timeout_s=600
-    )
+    kw = {"group_name": "omni_grpo_bench", "world_size": 2, "rank": 0, "backend": "nccl"}
+    group = build_group(store, **kw, timeout_s=600)
     lm, margs, bucket = state["lm"], state["args"], bucket_mb << 20
     warm = push_to_receiver(group, store, export_hf_weights(lm, margs), 0, bucket, device)
     timed = push_to_receiver(group, store, export_hf_weights(lm, margs), 1, bucket, device)

@@ -12,6 +12,13 @@ from pathlib import Path
 
 import harness
 import torch
+from omni_extract.names import to_server_tensors
+from omni_grpo.config import SglangOmniConfig
+from omni_grpo.sync import make_weight_sync
+from omni_grpo.sync.buckets import buckets
+from omni_grpo.sync.group import build_group, host_store
+from omni_grpo.testing.sync import ServerSideReceivers, receiver_main
+from omni_rollout_client.testing import FakeOmniServer
 
 
 def synthetic_state(mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -39,19 +46,14 @@ def synthetic_state(mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def raw_broadcast(tensors: list, bucket_bytes: int, backend: str, device: str, out: Path) -> float:
     """Seconds to broadcast every bucket to one receiver with no HTTP and no conversion."""
-    from omni_grpo.sync.buckets import buckets
-    from omni_grpo.sync.group import build_group, host_store
-    from omni_grpo.testing.sync import receiver_main
-
     ctx = mp.get_context("forkserver")
     store = host_store("127.0.0.1", 2, 300)
     inbox = ctx.Queue()
     rx_args = (inbox, str(out), 1, 2, "127.0.0.1", store.port, "raw", backend, False)
     proc = ctx.Process(target=receiver_main, args=rx_args, daemon=True)
     proc.start()
-    group = build_group(
-        store, group_name="raw", world_size=2, rank=0, backend=backend, timeout_s=300
-    )
+    kw = {"group_name": "raw", "world_size": 2, "rank": 0, "backend": backend, "timeout_s": 300}
+    group = build_group(store, **kw)
     bucket_list = list(buckets([(n, t.to(device)) for n, t in tensors], bucket_bytes))
     with harness.timed(device) as t:
         for b in bucket_list:
@@ -68,12 +70,6 @@ if __name__ == "__main__":
     backends = ("nccl", "gloo") if torch.cuda.device_count() >= 2 else ("gloo", "nccl")
     ap = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3, backend=backends)
     args = ap.parse_args()
-    from omni_extract.names import to_server_tensors
-    from omni_grpo.config import SglangOmniConfig
-    from omni_grpo.sync import make_weight_sync
-    from omni_grpo.testing.sync import ServerSideReceivers
-    from omni_rollout_client.testing import FakeOmniServer
-
     mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
     device = "cuda:0" if args.backend == "nccl" else "cpu"
     state = {k: v.to(device) for k, v in synthetic_state(args.mb, torch.bfloat16).items()}
