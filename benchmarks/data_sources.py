@@ -13,7 +13,6 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,19 +90,6 @@ def media_access(files: Any, table: Any, repeats: int) -> dict[str, float]:
     return {k: round(v * 1e6, 1) for k, v in us.items()} | ratio
 
 
-def stream_rows(n_rows: int, rng: np.random.Generator) -> Iterator[tuple[bytes, bytes]]:
-    """(image bytes, wav bytes) per row: unique noise images (BMP: no encode cost) and tones."""
-    t = np.arange(int(AUDIO_SECONDS * 16000)) / 16000
-    for k in range(n_rows):
-        ib, ab = io.BytesIO(), io.BytesIO()
-        img = rng.integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)
-        Image.fromarray(img).save(ib, format="BMP")
-        wave = 0.3 * np.sin(2 * np.pi * (200 + k % 50 * 40) * t)
-        wave = (wave + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
-        sf.write(ab, wave, 16000, format="WAV", subtype="PCM_16")
-        yield ib.getvalue(), ab.getvalue()
-
-
 def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
     """A parquet of more than ``gb`` GB of embedded media, and the same rows as jsonl + files."""
     schema, files = tables.embedded_schema(), tmp / "stream_files"
@@ -115,8 +101,15 @@ def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
         jsonl.open("w") as jf,
     ):
         batch: list[dict[str, Any]] = []
-        size = 0
-        for k, (img, wav) in enumerate(stream_rows(n_rows, np.random.default_rng(1))):
+        size, rng, t = 0, np.random.default_rng(1), np.arange(int(AUDIO_SECONDS * 16000)) / 16000
+        for k in range(n_rows):  # unique noise images (BMP: no encode cost) and tones
+            ib, ab = io.BytesIO(), io.BytesIO()
+            img = rng.integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)
+            Image.fromarray(img).save(ib, format="BMP")
+            wave = 0.3 * np.sin(2 * np.pi * (200 + k % 50 * 40) * t)
+            wave = (wave + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+            sf.write(ab, wave, 16000, format="WAV", subtype="PCM_16")
+            img, wav = ib.getvalue(), ab.getvalue()
             (files / f"{k}.bmp").write_bytes(img)
             (files / f"{k}.wav").write_bytes(wav)
             row = {"id": f"s{k}", "prompt": PROMPT, "label": "A", "choices": ["x", "y"]}

@@ -270,7 +270,11 @@ def versions(*dists: str) -> dict[str, str | None]:
     (None: not installed), read from package metadata: nothing is imported for it."""
     torch = sys.modules.get("torch")
     gpu = torch.cuda.get_device_name() if torch and torch.cuda.is_available() else None
-    out = {"python": platform.python_version(), "git_commit": _git(), "gpu": gpu}
+    out = {"python": platform.python_version(), "git_commit": None, "gpu": gpu}
+    with contextlib.suppress(OSError):
+        dirty = _git("status", "--porcelain", "--untracked-files=no").strip()
+        commit = _git("rev-parse", "--short", "HEAD").strip()
+        out["git_commit"] = (commit + ("+dirty" if dirty else "")) or None
     for dist in ("torch", "transformers", "triton", *dists):
         try:
             out[dist] = metadata.version(dist)
@@ -281,11 +285,5 @@ def versions(*dists: str) -> dict[str, str | None]:
     return out
 
 
-def _git() -> str | None:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True).stdout
-
-    with contextlib.suppress(OSError):
-        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
-        return (git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")) or None
-    return None
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True).stdout

@@ -47,6 +47,7 @@ from omni_grpo.exact.towers import clear_item_caches
 from omni_grpo.models.lora import peft_config
 from omni_grpo.rollout.partial import PartialRollouts
 from omni_grpo.types import GRPOBatch, SamplingParams
+from torch._dynamo.utils import counters
 
 GIB = harness.GIB
 CONFIG_KEYS = ("checkpoint_policy", "compile", "exact_logprobs", "lengths", "batching")
@@ -79,23 +80,6 @@ def batching_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     for entry in out.values() if "static" in out else ():
         entry["vs_static"] = round(entry["tokens_per_s"] / out["static"]["tokens_per_s"], 3)
     return out
-
-
-def partial_roofline_s(engine: Any, sizes: dict, copy_rate: float, matmul_rate: float) -> float:
-    """The roofline of a partial-rollouts call: the rows it decoded (from where each resumed,
-    live while they drew tokens) and the prompts and resumed samples it prefilled."""
-    contexts, drawn = [c for c, _ in engine.last_rows], [max(1, n) for _, n in engine.last_rows]
-    decode = roofline.variable_decode_bytes(sizes, contexts, drawn)
-    prefill = roofline.forward_flops(sizes, engine.last_prefill, len(engine.last_prefill))
-    return decode / copy_rate + prefill / matmul_rate
-
-
-def _dynamo_counters() -> dict[str, Any]:
-    """How many graphs ``trainer.compile`` made and where it broke them (a break costs fusion)."""
-    from torch._dynamo.utils import counters
-
-    breaks = {k.split("\n")[0][:120]: v for k, v in counters["graph_break"].items()}
-    return {"stats": dict(counters["stats"]), "graph_breaks": breaks}
 
 
 def run_trl_side(args: Any, cfg: dict, vl_dir: Path, samples: list, images: list) -> dict:
@@ -227,8 +211,12 @@ if __name__ == "__main__":
             made = sum(len(c.token_ids) for gr in groups for c in gr)
             stats, engine_roofline_s = getattr(engine, "last_stats", None), var_roofline_s
             if stats:  # partial rollouts: what the call generated and read, not what it returned
-                made = int(stats["generated_tokens"])
-                engine_roofline_s = partial_roofline_s(engine, sizes, copy_rate, matmul_rate)
+                made, fills = int(stats["generated_tokens"]), engine.last_prefill
+                # the rows it decoded (each from where it resumed), the prompts it prefilled
+                contexts, drawn = zip(*[(c, max(1, n)) for c, n in engine.last_rows], strict=True)
+                decode = roofline.variable_decode_bytes(sizes, list(contexts), list(drawn))
+                prefill = roofline.forward_flops(sizes, fills, len(fills))
+                engine_roofline_s = decode / copy_rate + prefill / matmul_rate
             rec = {"generation_s": round(gen.s, 3), "new_tokens": made}
             rec |= {"tokens_per_s": round(made / gen.s, 1)}
             rec["variable_roofline_ratio"] = round(engine_roofline_s / gen.s, 4)
@@ -295,5 +283,8 @@ if __name__ == "__main__":
     out |= {"last": last, "peak_allocated_gib": round(peak, 2), "samples_per_s": ours, "trl": trl}
     out["samples_per_s_ratio_vs_trl"] = ours / trl["samples_per_s"] if trl else None
     out["versions"] = harness.versions("peft")
-    out["dynamo"] = _dynamo_counters() if args.compile else None
+    out["dynamo"] = None  # with --compile: the graphs it made and where it broke them (fusion)
+    if args.compile:
+        breaks = {k.split("\n")[0][:120]: v for k, v in counters["graph_break"].items()}
+        out["dynamo"] = {"stats": dict(counters["stats"]), "graph_breaks": breaks}
     harness.emit("one_gpu_thinker", out, args.save)
