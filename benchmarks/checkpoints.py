@@ -24,11 +24,6 @@ from safetensors.torch import save_file
 Side = tuple[tuple[Path, ...], Callable[[Path], dict[str, Any]]]
 
 
-def fill(shape: tuple[int, ...], noise: torch.Tensor) -> torch.Tensor:
-    n = math.prod(shape)
-    return noise.repeat(-(-n // noise.numel()))[:n].reshape(shape)
-
-
 def write_shards(
     dst: Path, shapes: dict, limit: int, name: str, seed: int, over: bool, meta: Any = None
 ) -> dict[str, str]:
@@ -46,7 +41,9 @@ def write_shards(
     where: dict[str, str] = {}
     for i, names in enumerate(files, start=1):
         fname = name.format(i=i, n=len(files))
-        save_file({k: fill(shapes[k], noise) for k in names}, dst / fname, meta)
+        tiled = {k: noise.repeat(-(-math.prod(shapes[k]) // noise.numel())) for k in names}
+        tiled = {k: t[: math.prod(shapes[k])].reshape(shapes[k]) for k, t in tiled.items()}
+        save_file(tiled, dst / fname, meta)
         where |= dict.fromkeys(names, fname)
     return where
 

@@ -93,13 +93,6 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     return out
 
 
-def fit(points: list[tuple[int, float]]) -> dict[str, float]:
-    """Least squares ``peak = intercept + slope * layers``."""
-    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
-    resid = max(abs(intercept + slope * x - y) for x, y in points)
-    return {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
-
-
 def child(layers: int) -> dict[str, Any]:
     """One depth in its own process (its peak is its own); a failure recorded, OOM or not."""
     env = dict(os.environ)
@@ -144,7 +137,10 @@ if __name__ == "__main__":
     key = "allocated_gib" if args.device == "cuda" else "max_rss_gib"
     if len(ok) >= 2:
         for k in [key, "reserved_gib"] if args.device == "cuda" else [key]:
-            f = fit([(r["layers"], r["peak_step"][k]) for r in ok])
+            points = [(r["layers"], r["peak_step"][k]) for r in ok]  # peak = a + b * layers
+            slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+            resid = max(abs(intercept + slope * x - y) for x, y in points)
+            f = {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
             f["projected_48_gib"] = f["intercept_gib"] + released.LAYERS * f["per_layer_gib"]
             models[k] = f
     deep: dict[str, Any] | None = None
