@@ -54,16 +54,6 @@ def eval_history(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, flo
     return {m: [(r["step"], float(r[key(m)])) for r in records if key(m) in r] for m in MODALITIES}
 
 
-def chance_levels(run_dir: Path) -> dict[str, float]:
-    """Per modality, the mean of 1 / #choices over the run's held-out rows."""
-    inverse: dict[str, list[float]] = {m: [] for m in MODALITIES}
-    for line in (run_dir / "data" / "eval.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("modality") in inverse and row.get("choices"):
-            inverse[row["modality"]].append(1.0 / len(row["choices"]))
-    return {m: statistics.mean(v) for m, v in inverse.items() if v}
-
-
 def collapses(records: list[dict], chance: dict[str, float], warn_after: int) -> list[dict]:
     """Every post-learning collapse, per modality after its first held-out evaluation >= TARGET:
     a later evaluation below it; a stretch where the mean training reward of the last ``WINDOW``
@@ -130,7 +120,13 @@ def run_one(config: Path, work: Path, name: str, seed: int, threads: int, extra:
     final = {m: history[m][-1][1] for m in MODALITIES if history[m]}
     learned = {m: next((s for s, v in history[m] if v >= TARGET), None) for m in MODALITIES}
     warn = yaml.safe_load((run_dir / "config.yaml").read_text()).get("run", {})
-    found = collapses(records, chance_levels(run_dir), int(warn.get("collapse_warn_steps", 0)))
+    inverse: dict[str, list[float]] = {m: [] for m in MODALITIES}  # 1 / #choices per eval row
+    for line in (run_dir / "data" / "eval.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("modality") in inverse and row.get("choices"):
+            inverse[row["modality"]].append(1.0 / len(row["choices"]))
+    chance = {m: statistics.mean(v) for m, v in inverse.items() if v}
+    found = collapses(records, chance, int(warn.get("collapse_warn_steps", 0)))
     passes = all(final.get(m, 0.0) >= TARGET for m in MODALITIES) and not found
     return out | {"final": final, "learned_at": learned, "collapses": found, "pass": passes}
 

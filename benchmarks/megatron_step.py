@@ -17,6 +17,7 @@ import harness
 import roofline
 import torch
 from released import ROPE, TEXT, VOCAB
+from torch.profiler import ProfilerActivity, profile
 
 REAL = TEXT | {"norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6}
 REAL |= {"max_position_embeddings": 65536, "rope_parameters": ROPE}
@@ -46,16 +47,6 @@ def time_step(th: Any, ids: Any, pos: Any, iters: int, warmup: int, loss: str) -
     return times
 
 
-def profile_step(th: Any, ids: torch.Tensor, pos: torch.Tensor, loss: str) -> dict[str, float]:
-    """CUDA time per kernel name over one step (top 15): where the step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time_step(th, ids, pos, 1, warmup=0, loss=loss)
-    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
-    return {e.key[:90]: round(getattr(e, "device_time_total", 0) / 1e3, 2) for e in rows[:15]}
-
-
 def bench_step(args: argparse.Namespace, impl: str, device: torch.device) -> tuple:
     from omni_grpo.backends.megatron import model as mm
     from omni_grpo.backends.megatron.config_map import megatron_model_args
@@ -79,8 +70,12 @@ def bench_step(args: argparse.Namespace, impl: str, device: torch.device) -> tup
     out |= {"mfu_vs_989": flops / med / PEAK_BF16}
     out["peak_mem_gib"] = harness.peak_bytes(device) / harness.GIB
     out["params"] = sum(p.numel() for p in lm.parameters())
-    if args.profile and impl == "grouped":
-        out["top_kernels_ms"] = profile_step(th, ids, pos, args.loss)
+    if args.profile and impl == "grouped":  # CUDA time per kernel name over one step (top 15)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            time_step(th, ids, pos, 1, warmup=0, loss=args.loss)
+        rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
+        ms = {e.key[:90]: round(getattr(e, "device_time_total", 0) / 1e3, 2) for e in rows[:15]}
+        out["top_kernels_ms"] = ms
     state = {"lm": lm, "th": th, "args": margs} if impl == "grouped" else None
     del lm, th
     torch.cuda.empty_cache()
