@@ -52,32 +52,6 @@ def reward_text(text: str) -> float:
     return sum(ch in "aeiou" for ch in text.lower()) / max(len(text), 1)
 
 
-def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> Path:
-    """A random ``vl`` checkpoint (``thinker_rig.build_vl``, saved) with the skeleton's files at
-    the requested widths and depth; the vision tower at depth ``max(layers, 3)``, the audio tower
-    the skeleton's (image and video prompts never run it)."""
-    if (dst / "config.json").is_file():
-        return dst
-    tmp, depth = dst.with_name(dst.name + ".tmp"), max(layers, 3)
-    shutil.rmtree(tmp, ignore_errors=True)
-    cfg = rig.config_at(skeleton, layers, widths, depth)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    rig.build_vl(cfg, torch.device(device), dtype).save_pretrained(tmp)
-    rig.vl_dir_at(skeleton, tmp, layers, widths, depth)  # the skeleton's files over the saved ones
-    os.replace(tmp, dst)
-    return dst
-
-
-def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One image per prompt, or as a video (.npy: decoded frames) that image rolled sideways."""
-    paths = rig.write_images(root, args.prompts, getattr(args, f"{args.media}_size"))
-    for i, image in enumerate(paths if args.media == "video" else []):
-        frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
-        np.save(paths[i], np.stack([np.roll(frame, t * 4, axis=1) for t in range(args.frames)]))
-    text = [f"Question {i}. {QUESTION}" for i in range(args.prompts)]
-    return [{"id": f"p{i}", "path": str(p), "text": text[i]} for i, p in enumerate(paths)]
-
-
 def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[str, Any]]) -> dict:
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
     prompt_mod.load_video = lambda path, fps, max_frames: VideoClip(np.load(path), args.fps)
@@ -235,10 +209,27 @@ if __name__ == "__main__":
     work.mkdir(parents=True, exist_ok=True)
     with harness.timed() as prep:
         skeleton = Path(args.skeleton or released.make_skeleton(work / "skeleton"))
-        widen(skeleton, vl, args.layers, args.widths, args.device)
+        # a random vl checkpoint with the skeleton's files at these widths and depth (the vision
+        # tower's: max(layers, 3)); the audio tower the skeleton's (image and video never run it)
+        if not (vl / "config.json").is_file():
+            tmp, depth = vl.with_name(vl.name + ".tmp"), max(args.layers, 3)
+            shutil.rmtree(tmp, ignore_errors=True)
+            cfg = rig.config_at(skeleton, args.layers, args.widths, depth)
+            dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+            rig.build_vl(cfg, torch.device(args.device), dtype).save_pretrained(tmp)
+            rig.vl_dir_at(skeleton, tmp, args.layers, args.widths, depth)  # its files over these
+            os.replace(tmp, vl)
         if not audio.exists():
             shutil.copytree(skeleton / "audio", audio)
-        (work / f"rows-{args.media}.json").write_text(json.dumps(write_media(work / "media", args)))
+        # one image per prompt, or as a video (.npy: decoded frames) that image rolled sideways
+        root, size = work / "media", getattr(args, f"{args.media}_size")
+        paths = rig.write_images(root, args.prompts, size)
+        for i, image in enumerate(paths if args.media == "video" else []):
+            frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
+            np.save(paths[i], np.stack([np.roll(frame, t * 4, axis=1) for t in range(args.frames)]))
+        rows = [{"id": f"p{i}", "path": str(p)} for i, p in enumerate(paths)]
+        rows = [r | {"text": f"Question {i}. {QUESTION}"} for i, r in enumerate(rows)]
+        (work / f"rows-{args.media}.json").write_text(json.dumps(rows))
     # each side in its own process: its peak memory is its own
     sides = {s: harness.rerun("--side", s, check=False) for s in args.sides.split(",") if s}
     cuda = args.device == "cuda"
