@@ -88,16 +88,6 @@ def copy_shards(src: Path, dst: Path) -> dict[str, float]:
     return {"seconds": t.s}
 
 
-def warm_page_cache(*dirs: Path) -> None:
-    """Read every safetensors file below ``dirs`` once (untimed), so that a timed run starts
-    with its inputs in the page cache: when the cache cannot hold inputs and outputs, the side
-    that ran after the other's multi-GB writes read cold and the ratio measured eviction."""
-    for f in [f for d in dirs for f in sorted(d.rglob("*.safetensors"))]:
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
-
-
 def child(kind: str, *args: str | Path) -> dict[str, Any]:
     """Run side ``kind`` of :func:`_child_main` in its own process; its JSON record."""
     return harness.child_json([sys.executable, __file__, kind, *map(str, args)])
@@ -111,7 +101,12 @@ def rounds(work: Path, repeats: int, sides: dict[str, Side]) -> dict[str, list[d
             dst = work / f"{name}-{i}"
             shutil.rmtree(dst, ignore_errors=True)
             os.sync()
-            warm_page_cache(*warm)
+            # every input read once, untimed: when the page cache cannot hold inputs and outputs,
+            # the side that ran after the other's multi-GB writes read cold (it measured eviction)
+            for f in [f for d in warm for f in sorted(d.rglob("*.safetensors"))]:
+                with open(f, "rb") as fh:
+                    while fh.read(1 << 24):
+                        pass
             r = run(dst)
             with harness.timed() as sync:  # what is still dirty, written
                 os.sync()

@@ -24,27 +24,6 @@ MERGE = 2 * 2  # spatial merge: patches per placeholder token
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 1024}
 
 
-def make_case(name: str, rng: np.random.Generator) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """Processed tensors (torch, as the HF processor returns them) and placeholder-sized ids."""
-    if name == "audio30s":
-        features = rng.standard_normal((1, 128, 3000), dtype=np.float32)
-        mm = {"input_features": torch.from_numpy(features)}
-        mm["feature_attention_mask"] = torch.ones((1, 3000), dtype=torch.int32)
-        n_placeholders = 390  # ~13 tokens per second after the audio tower's downsampling
-    elif name == "image" or name.startswith("video"):
-        video = name != "image"
-        grid = (int(name.removeprefix("video")) // 2 if video else 1, SIDE_PATCHES, SIDE_PATCHES)
-        pixels = torch.from_numpy(rng.standard_normal((math.prod(grid), PATCH), dtype=np.float32))
-        kind = "video" if video else "image"
-        mm = {"pixel_values" + "_videos" * video: pixels, f"{kind}_grid_thw": torch.tensor([grid])}
-        if video:  # 2 frames per temporal patch at 2 fps
-            mm["video_second_per_grid"] = torch.tensor([1.0])
-        n_placeholders = math.prod(grid) // MERGE
-    else:
-        raise ValueError(f"unknown case {name!r}")
-    return rng.integers(0, 150_000, size=n_placeholders + 64).tolist(), mm
-
-
 def baseline_body(ids: list[int], mm: dict[str, torch.Tensor], seed: int) -> bytes:
     tensors = {}
     for name, t in mm.items():
@@ -87,7 +66,24 @@ def side(nbytes: int, tensor_bytes: int, client_s: float, decode_s: float) -> di
 
 
 def run_case(name: str, n: int, rng: np.random.Generator) -> dict[str, Any]:
-    ids, mm = make_case(name, rng)
+    # processed tensors (torch, as the HF processor returns them) and placeholder-sized ids
+    if name == "audio30s":
+        features = rng.standard_normal((1, 128, 3000), dtype=np.float32)
+        mm = {"input_features": torch.from_numpy(features)}
+        mm["feature_attention_mask"] = torch.ones((1, 3000), dtype=torch.int32)
+        n_placeholders = 390  # ~13 tokens per second after the audio tower's downsampling
+    elif name == "image" or name.startswith("video"):
+        video = name != "image"
+        grid = (int(name.removeprefix("video")) // 2 if video else 1, SIDE_PATCHES, SIDE_PATCHES)
+        pixels = torch.from_numpy(rng.standard_normal((math.prod(grid), PATCH), dtype=np.float32))
+        kind = "video" if video else "image"
+        mm = {"pixel_values" + "_videos" * video: pixels, f"{kind}_grid_thw": torch.tensor([grid])}
+        if video:  # 2 frames per temporal patch at 2 fps
+            mm["video_second_per_grid"] = torch.tensor([1.0])
+        n_placeholders = math.prod(grid) // MERGE
+    else:
+        raise ValueError(f"unknown case {name!r}")
+    ids = rng.integers(0, 150_000, size=n_placeholders + 64).tolist()
     base_cpu, base_bodies = cpu(lambda: [baseline_body(ids, mm, i) for i in range(n)])
     base_bytes = len(base_bodies[0])
     base_tensor_bytes = sum(math.ceil(t.numel() * t.element_size() / 3) * 4 for t in mm.values())
