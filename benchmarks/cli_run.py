@@ -19,31 +19,10 @@ from typing import Any
 import thinker_rig
 import torch
 import yaml
+from safetensors.torch import save_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "qwen3-omni-30b-lora-1gpu.yaml"
 RATE = 16000
-
-
-def write_vl(vl: torch.nn.Module, vl_dir: Path, dst: Path) -> None:
-    """The weights under ``vl_dir``'s files (its config.json carries the sideband, not theirs)."""
-    vl.save_pretrained(dst, max_shard_size="4GB")
-    for f in vl_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, dst / f.name)
-
-
-def write_audio(tower: Any, skeleton_audio: Path, dst: Path, device: torch.device) -> None:
-    """The frozen audio tower (the rig's or the skeleton's) as an extracted audio directory."""
-    from safetensors.torch import save_file
-
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in skeleton_audio.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    module = tower.module(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    state = {f"audio_tower.{k}": v.cpu().contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text(json.dumps(tower.config.to_dict(), indent=2))
 
 
 def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) -> list[dict]:
@@ -101,8 +80,21 @@ def write_run(
 ) -> Path:
     """Everything ``omni-grpo train --config <dst>/train.yaml`` needs; returns that path."""
     dst, device, config = Path(dst), torch.device(args.device), Path(dst) / "train.yaml"
-    write_vl(thinker.vl, vl_dir, dst / "vl")
-    write_audio(thinker.audio.tower, skeleton / "audio", dst / "audio", device)
+    # the weights under vl_dir's files (its config.json carries the sideband, not theirs)
+    thinker.vl.save_pretrained(dst / "vl", max_shard_size="4GB")
+    for f in vl_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / "vl" / f.name)
+    # the frozen audio tower (the rig's or the skeleton's) as an extracted audio directory
+    (dst / "audio").mkdir(parents=True, exist_ok=True)
+    for f in (skeleton / "audio").iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dst / "audio" / f.name)
+    tower = thinker.audio.tower
+    module = tower.module(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    state = {f"audio_tower.{k}": v.cpu().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(dst / "audio" / "model.safetensors"))
+    (dst / "audio" / "config.json").write_text(json.dumps(tower.config.to_dict(), indent=2))
     write_media(samples, args, images, dst / "data")
     config.write_text(yaml.safe_dump(train_config(dst, args, device.type), sort_keys=False))
     return config
