@@ -128,18 +128,6 @@ def write_stream_data(tmp: Path, gb: float) -> tuple[Path, Path, int]:
     return parquet, jsonl, n_rows
 
 
-def write_arrow_dir(parquet: Path, out_dir: Path) -> Path:
-    """The parquet's rows as a ``save_to_disk`` layout: one Arrow IPC stream + ``state.json``."""
-    f = pq.ParquetFile(str(parquet))
-    out_dir.mkdir()
-    data = out_dir / "data-00000-of-00001.arrow"
-    with pa.OSFile(str(data), "wb") as sink, pa.ipc.new_stream(sink, f.schema_arrow) as w:
-        for rg in range(f.num_row_groups):
-            w.write_table(f.read_row_group(rg))
-    (out_dir / "state.json").write_text(json.dumps({"_data_files": [{"filename": data.name}]}))
-    return out_dir
-
-
 def child_stream(spec: str, model_dir: str, limit: int) -> dict[str, Any]:
     """(the child) Stream ``limit`` rows of ``spec`` (0: all); its memory figures."""
     path = Path(spec)
@@ -184,7 +172,16 @@ if __name__ == "__main__":
         parquet, jsonl, n_rows = write_stream_data(tmp, args.stream_gb)
         full, part = stream(parquet, model_dir), stream(parquet, model_dir, max(1, n_rows // 10))
         files = stream(jsonl, model_dir)
-        arrow = stream(write_arrow_dir(parquet, tmp / "stream_arrow"), model_dir)
+        # the parquet's rows as a save_to_disk layout: one Arrow IPC stream + state.json
+        f, arrow_dir = pq.ParquetFile(str(parquet)), tmp / "stream_arrow"
+        data = arrow_dir / "data-00000-of-00001.arrow"
+        arrow_dir.mkdir()
+        with pa.OSFile(str(data), "wb") as sink, pa.ipc.new_stream(sink, f.schema_arrow) as w:
+            for rg in range(f.num_row_groups):
+                w.write_table(f.read_row_group(rg))
+        state = {"_data_files": [{"filename": data.name}]}
+        (arrow_dir / "state.json").write_text(json.dumps(state))
+        arrow = stream(arrow_dir, model_dir)
 
         def ratio(a: dict, b: dict, key: str = "peak_rss_mb") -> float:
             return round(a[key] / b[key], 3)

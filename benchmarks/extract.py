@@ -20,11 +20,9 @@ if __name__ == "__main__":
     work.mkdir(parents=True, exist_ok=True)
     make = partial(ck.generate_checkpoint, src, args.layers, shard)
     facts, gen_s = ck.generated(src / "bench_facts.json", make)
-    sides = {
-        "copy": ((), lambda dst: ck.child("copy", src, dst)),
-        "copy_in_process": ((), lambda dst: ck.copy_shards(src, dst)),
-        "vl": ((), lambda dst: ck.child("vl", src, dst, shard)),
-    }
+    sides = {"copy": ((), partial(ck.child, "copy", src))}
+    sides["copy_in_process"] = ((), partial(ck.copy_shards, src))
+    sides["vl"] = ((), lambda dst: ck.child("vl", src, dst, shard))
     runs = ck.rounds(work, args.repeats, sides)
     total, vl, copies = facts["total_bytes"], runs["vl"], runs["copy"]
     note = "GB/s over input bytes; timed inside the process, imports excluded"
