@@ -70,6 +70,7 @@ def linears(dev: torch.device) -> dict[str, Any]:
 
 def grouped(dev: torch.device) -> dict[str, Any]:
     from omni_grpo.exact.grouped import gmm
+    from omni_grpo.models.grouped_experts import grouped_mm
 
     fn_torch = getattr(F, "grouped_mm", None) or torch._grouped_mm
     out: dict[str, Any] = {}
@@ -98,21 +99,12 @@ def grouped(dev: torch.device) -> dict[str, Any]:
             row[f"{label}_train_tflops"] = flops / row[f"{label}_train_ms"] / 1e9
             row[f"{label}_decode_ms"] = _bench_graph(partial(fn, xs_d, w, offs_d))
         out[name] = row
-    out["lora_decode"] = _grouped_lora_decode(dev)
-    return out
-
-
-def _grouped_lora_decode(dev: torch.device) -> dict[str, Any]:
-    """A decode step's expert LoRA term ``(x A^T) B^T`` of gate_up and down (rank 16), grouped,
-    with torch's grouped GEMM (off) and the exact one (on): GPU ms per layer."""
-    from omni_grpo.exact.grouped import gmm
-    from omni_grpo.models.grouped_experts import grouped_mm
-
-    rank = 16
+    # a decode step's expert LoRA term (x A^T) B^T of gate_up and down (rank 16), grouped, with
+    # torch's grouped GEMM (off) and the exact one (on): GPU ms per layer
+    rank, lora_decode = 16, {}
     ids = torch.rand(DECODE_ROWS, EXPERTS, device=dev).topk(TOP_K, -1).indices.reshape(-1)
     e, perm = torch.sort(ids, stable=True)
     offs = torch.cumsum(torch.bincount(e, minlength=EXPERTS), 0).to(torch.int32)
-    out: dict[str, Any] = {}
     for name, (k, n) in {"gate_up": (HIDDEN, 2 * EXPERT_FFN), "down": (EXPERT_FFN, HIDDEN)}.items():
         x = torch.randn(perm.numel(), k, device=dev, dtype=torch.bfloat16)
         a_t = torch.randn(EXPERTS, k, rank, device=dev, dtype=torch.bfloat16)
@@ -122,7 +114,8 @@ def _grouped_lora_decode(dev: torch.device) -> dict[str, Any]:
             return mm(mm(x, a, offs), b, offs)
 
         for label, mm in (("torch", grouped_mm), ("exact", gmm)):
-            out[f"{label}_{name}_ms"] = _bench_graph(partial(lora, mm))
+            lora_decode[f"{label}_{name}_ms"] = _bench_graph(partial(lora, mm))
+    out["lora_decode"] = lora_decode
     return out
 
 

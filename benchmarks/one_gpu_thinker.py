@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -106,18 +107,6 @@ def run_trl_side(args: Any, cfg: dict, vl_dir: Path, samples: list, images: list
     with contextlib.redirect_stdout(sys.stderr):  # TRL logs its steps on stdout: one JSON here
         out = run_trl(trl_args, vl_dir, rows, model, peft_config(lora), True)
     return out | {"media": ["image"] * len(rows)}
-
-
-def profile_generation(
-    engine: Any, thinker: Any, prompts: list, group: int, sampling: Any, dst: Path
-) -> None:
-    """One more generation of 64 new tokens, eager (a CUDA graph's kernels are not traced one
-    by one), its media encoded as in a timed step: the table as ``<dst>.generation.txt``."""
-    clear_item_caches(thinker)  # a no-op with the option off
-    short = sampling.model_copy(update={"max_new_tokens": 64})
-    with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):
-        generate = lambda: engine.generate(prompts, group, short)  # noqa: E731
-        harness.profile_table(generate, dst.with_name(dst.name + ".generation.txt"))
 
 
 if __name__ == "__main__":
@@ -257,10 +246,15 @@ if __name__ == "__main__":
             step[f"logprob_{k}"] = metrics.get(f"train_rollout_logprob_{k}")
         steps.append(step | {"skipped_step": metrics.get("skipped_step")})
         print(json.dumps({"step": steps[-1]}), file=sys.stderr, flush=True)
-    if args.profile:
-        batch = GRPOBatch(groups, adv, temperature=sampling.temperature)
-        harness.profile_table(lambda: backend.step(batch), Path(args.profile))
-        profile_generation(engine, thinker, prompts, args.group, sampling, Path(args.profile))
+    if args.profile:  # one more update, then 64 new tokens of eager generation (a CUDA graph's
+        # kernels are not traced one by one), media encoded as in a timed step: <dst>.generation.txt
+        dst, batch = Path(args.profile), GRPOBatch(groups, adv, temperature=sampling.temperature)
+        harness.profile_table(lambda: backend.step(batch), dst)
+        clear_item_caches(thinker)  # a no-op with the option off
+        short = sampling.model_copy(update={"max_new_tokens": 64})
+        with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):
+            generate = partial(engine.generate, prompts, args.group, short)
+            harness.profile_table(generate, dst.with_name(dst.name + ".generation.txt"))
     last = steps[-1]
     trl: dict[str, Any] | None = None
     if args.trl_steps:
