@@ -16,9 +16,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import soundfile as sf
 import thinker_rig
 import torch
 import yaml
+from omni_grpo.data.synthetic import write_video_with_sound
 from safetensors.torch import save_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "qwen3-omni-30b-lora-1gpu.yaml"
@@ -28,8 +30,6 @@ RATE = 16000
 def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) -> list[dict]:
     """Real files for the benchmark's synthetic media (same sizes and durations) and the rows
     that name them; every row is a two-choice question so that ``mcq`` scores it."""
-    from omni_grpo.data.synthetic import write_video_with_sound
-
     dst.mkdir(parents=True, exist_ok=True)
     chirp, (frames, fps) = thinker_rig.chirp(args.audio_seconds, RATE), thinker_rig.video(args)
     rows = []
@@ -41,8 +41,6 @@ def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) ->
                 path = dst / images[i].name
                 shutil.copy(images[i], path)
             elif kind == "audio":
-                import soundfile as sf
-
                 path = dst / f"audio{i}.wav"
                 sf.write(path, chirp, RATE, subtype="PCM_16")
             else:
@@ -53,26 +51,6 @@ def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) ->
         rows.append(row | {"use_audio_in_video": bool(s.use_audio_in_video)})
     (dst / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
-
-
-def train_config(dst: Path, args: Any, device: str) -> dict[str, Any]:
-    """The one-GPU example's trainer (on CUDA) with this run's sizes, media limits and LoRA."""
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg["run"] = {"dir": str(dst / "run"), "seed": args.seed, "steps": args.steps, "save_every": 0}
-    model = {"extracted_dir": str(dst / "vl"), "audio_dir": str(dst / "audio")}
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    cfg["model"] = model | {"dtype": dtype, "freeze_visual": True}
-    cfg["data"] = {"train": str(dst / "data" / "rows.jsonl"), "root": str(dst / "data")}
-    cfg["data"] |= thinker_rig.media_limits(args)
-    cfg["rollout"].update(n_samples=args.group, prompts_per_step=args.prompts)
-    cfg["rollout"]["sampling"]["max_new_tokens"] = args.max_new_tokens
-    cfg["rollout"].pop("eval_sampling", None)
-    cfg.pop("eval", None)
-    lora = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets.split(",")}
-    cfg["trainer"]["lora"].update(lora)
-    if device != "cuda":  # the CPU check of this writer: no compile, fp32
-        cfg["trainer"].update(device="cpu", compile=False)
-    return cfg
 
 
 def write_run(
@@ -96,5 +74,21 @@ def write_run(
     save_file(state, str(dst / "audio" / "model.safetensors"))
     (dst / "audio" / "config.json").write_text(json.dumps(tower.config.to_dict(), indent=2))
     write_media(samples, args, images, dst / "data")
-    config.write_text(yaml.safe_dump(train_config(dst, args, device.type), sort_keys=False))
+    # the one-GPU example's trainer (on CUDA) with this run's sizes, media limits and LoRA
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg["run"] = {"dir": str(dst / "run"), "seed": args.seed, "steps": args.steps, "save_every": 0}
+    model = {"extracted_dir": str(dst / "vl"), "audio_dir": str(dst / "audio")}
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg["model"] = model | {"dtype": dtype, "freeze_visual": True}
+    cfg["data"] = {"train": str(dst / "data" / "rows.jsonl"), "root": str(dst / "data")}
+    cfg["data"] |= thinker_rig.media_limits(args)
+    cfg["rollout"].update(n_samples=args.group, prompts_per_step=args.prompts)
+    cfg["rollout"]["sampling"]["max_new_tokens"] = args.max_new_tokens
+    cfg["rollout"].pop("eval_sampling", None)
+    cfg.pop("eval", None)
+    lora = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets.split(",")}
+    cfg["trainer"]["lora"].update(lora)
+    if device.type != "cuda":  # the CPU check of this writer: no compile, fp32
+        cfg["trainer"].update(device="cpu", compile=False)
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return config

@@ -26,7 +26,6 @@ from omni_grpo.exact import enable_exact_logprobs
 from omni_grpo.exact.towers import clear_item_caches
 from omni_grpo.types import GRPOBatch, SamplingParams
 
-GIB = harness.GIB
 KINDS = ("image", "audio", "video", "text")
 
 
@@ -67,7 +66,7 @@ def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[
         for k in ("exact_fraction", "abs_diff", "pearson"):
             row[k] = metrics.get(f"train_rollout_logprob_{k}")
         row["skipped_step"] = metrics.get("skipped_step")
-        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / harness.GIB, 2)
         # the update's phases (TorchBackend's clock): KL reference forward, policy passes
         for k in ("reference", "policy"):
             row[f"{k}_s"] = round(float(metrics.get(f"time_{k}_s", 0.0)), 3)

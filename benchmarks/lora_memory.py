@@ -28,14 +28,12 @@ from omni_grpo.config import DataConfig, LoraConfig
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.types import GRPOBatch, SamplingParams
 
-GIB = 1 << 30
-
 
 def _mem(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
-        return {"max_rss_gib": harness.peak_bytes(device) / GIB}
+        return {"max_rss_gib": harness.peak_bytes(device) / harness.GIB}
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    return {"allocated_gib": allocated / GIB, "reserved_gib": reserved / GIB}
+    return {"allocated_gib": allocated / harness.GIB, "reserved_gib": reserved / harness.GIB}
 
 
 def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
@@ -52,7 +50,7 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     # released before the steps (a loaded checkpoint never goes through the init)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / GIB
+        after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / harness.GIB
     builder = PromptBuilder(vl_dir, DataConfig(image_max_pixels=args.image_size**2))
     question = "Describe the colours in detail."
     _, _, prompts = rig.samples(work, builder, args.prompts, ("image",), args.image_size, question)
@@ -80,16 +78,16 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         row = {"generation_s": round(gen.s, 2), "update_s": round(upd.s, 2)}
         row["new_tokens"] = sum(len(c.token_ids) for gr in groups for c in gr)
         steps.append(row | {k: metrics.get(k) for k in ("skipped_step", "loss", "kl_loss")})
-    out = {"layers": layers, "model_params": model_params, "model_gib": model_bytes / GIB}
+    out = {"layers": layers, "model_params": model_params, "model_gib": model_bytes / harness.GIB}
     out |= {"adapter_params": sum(p.numel() for p in adapters)}
-    out |= {"adapter_gib": harness.nbytes(adapters) / GIB}
-    out["adamw_state_gib"] = harness.nbytes(harness.state_tensors(backend.optimizer)) / GIB
+    out |= {"adapter_gib": harness.nbytes(adapters) / harness.GIB}
+    out["adamw_state_gib"] = harness.nbytes(harness.state_tensors(backend.optimizer)) / harness.GIB
     out |= {"after_build": after_build, "peak_generation": gen_peak, "peak_update": upd_peak}
     out["peak_step"] = {k: max(gen_peak.get(k, 0.0), upd_peak.get(k, 0.0)) for k in gen_peak}
     out |= {"build_s": round(build.s, 1), "prompt_tokens": [len(p.input_ids) for p in prompts]}
     out["steps"] = steps
     if device.type == "cuda":
-        out["card_total_gib"] = torch.cuda.mem_get_info()[1] / GIB
+        out["card_total_gib"] = torch.cuda.mem_get_info()[1] / harness.GIB
     return out
 
 

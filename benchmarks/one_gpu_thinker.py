@@ -50,7 +50,6 @@ from omni_grpo.rollout.partial import PartialRollouts
 from omni_grpo.types import GRPOBatch, SamplingParams
 from torch._dynamo.utils import counters
 
-GIB = harness.GIB
 CONFIG_KEYS = ("checkpoint_policy", "compile", "exact_logprobs", "lengths", "batching")
 CONFIG_KEYS += ("static_batch_rows", "long_prompts", "audio_seconds", "video_frames")
 CONFIG_KEYS += ("generation_only", "extra_groups")  # the options the result's config repeats
@@ -209,7 +208,7 @@ if __name__ == "__main__":
             rec = {"generation_s": round(gen.s, 3), "new_tokens": made}
             rec |= {"tokens_per_s": round(made / gen.s, 1)}
             rec["variable_roofline_ratio"] = round(engine_roofline_s / gen.s, 4)
-            rec["peak_gib"] = round(harness.peak_bytes(device) / GIB, 2) if cuda else None
+            rec["peak_gib"] = round(harness.peak_bytes(device) / harness.GIB, 2) if cuda else None
             by_engine[name] = rec | ({"partial": stats} if stats else {})
             print(json.dumps({name: by_engine[name]}), file=sys.stderr, flush=True)
         gen_s = gen.s  # the last engine's rollout is the one trained on
@@ -221,7 +220,7 @@ if __name__ == "__main__":
             with harness.timed(device) as upd:
                 metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
         if cuda:
-            peak = max(peak, harness.peak_bytes(device) / GIB)
+            peak = max(peak, harness.peak_bytes(device) / harness.GIB)
         new_tokens = sum(lengths)
         train_seqs = [len(c.prompt.input_ids) + len(c.token_ids) for gr in groups for c in gr]
         fwd = roofline.forward_flops(sizes, train_seqs, new_tokens)
