@@ -86,9 +86,8 @@ def build_vl(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> t
 
 def real_audio_tower(thinker: Any, skeleton_audio: Path, device: Any, dtype: torch.dtype) -> None:
     """Give the thinker's frozen audio tower real widths and depth, random weights on ``device``."""
-    cfg = dict(audio_config_of(skeleton_audio))
+    cfg = {**audio_config_of(skeleton_audio), **released.AUDIO}
     cfg.pop("model_type", None)
-    cfg.update(released.AUDIO)
     cfg["output_dim"] = thinker.config.text_config.hidden_size
     config = omni_modeling.Qwen3OmniMoeAudioEncoderConfig(**cfg)
     module = _drawn(lambda: omni_modeling.Qwen3OmniMoeAudioEncoder(config), device, dtype)
