@@ -181,9 +181,8 @@ if __name__ == "__main__":
     args = ap.parse_args()
     seeds, threads = parse_ints(args.seeds), parse_ints(args.threads)
     base_seeds, base_threads = parse_ints(args.baseline_seeds), parse_ints(args.baseline_threads)
-    # threads-major (the fast thread count first, so a stopped sweep still covers every seed),
-    # each baseline run right after the recipe run of its seed and thread count so load drifts
-    # hit both the same way
+    # threads-major (the fast thread count first: a stopped sweep still covers every seed), each
+    # baseline run right after the recipe run of its seed and thread count (load drifts hit both)
     both = {(s, t) for s in base_seeds for t in base_threads}
     order = [(k, s, t) for t in threads for s in seeds for k in ("recipe", "baseline")]
     order = [(k, s, t) for k, s, t in order if k == "recipe" or (s, t) in both]

@@ -139,8 +139,7 @@ if __name__ == "__main__":
             slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
             resid = max(abs(intercept + slope * x - y) for x, y in points)
             f = {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
-            f["projected_48_gib"] = f["intercept_gib"] + released.LAYERS * f["per_layer_gib"]
-            models[k] = f
+            models[k] = f | {"projected_48_gib": intercept + released.LAYERS * slope}
     deep: dict[str, Any] | None = None
     if args.deep:
         fallback = [int(x) for x in args.deep_fallback.split(",") if x and int(x) < args.deep]

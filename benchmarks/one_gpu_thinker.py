@@ -264,7 +264,7 @@ if __name__ == "__main__":
     config = {k: vars(args)[k] for k in ("layers", "widths", "prompts", "group")}
     config |= {"rows": rows, "max_new_tokens": args.max_new_tokens}
     config |= {"modalities": [s.modality for s in samples], "prompt_tokens": prompt_lens}
-    config["lora"] = {"rank": args.rank, "alpha": args.alpha, "targets": targets}
+    config["lora"] = spec
     config |= {k: vars(args)[k] for k in ("expert_path", "micro_batch_size", "micro_batch_tokens")}
     config["gradient_checkpointing"] = True
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
