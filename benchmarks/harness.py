@@ -72,8 +72,7 @@ def add_options(ap: argparse.ArgumentParser, **options: Any) -> argparse.Argumen
 
 
 def machine_name(text: str) -> str:
-    """``--save``'s value: a name for the results file (``h200``), refused at parse time if it
-    is a path, rather than after a long run that then cannot write its result."""
+    """``--save``'s value (``h200``), a path refused at parse time, not after a long run."""
     if not text or "/" in text or text.endswith(".json"):
         raise argparse.ArgumentTypeError(
             f"{text!r} is a path; --save takes a machine name (h200): the result goes to "
@@ -83,8 +82,7 @@ def machine_name(text: str) -> str:
 
 
 def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
-    """Print ``record`` as ONE JSON line with ``benchmark`` (unless it names itself) and
-    ``versions`` (its own entries win) added; with ``save`` also as the results file."""
+    """Print ``record`` as ONE JSON line, ``benchmark`` and ``versions`` added; ``save``: a file."""
     out = {"benchmark": name, **record}
     out["versions"] = versions() | (out.get("versions") or {})
     print(json.dumps(out), flush=True)  # first: a failed save does not lose the result
@@ -95,8 +93,7 @@ def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
 
 # ------------------------------------------------------------------------------------ clocks
 def now(device: Any = None) -> float:
-    """``time.perf_counter()`` once the queued CUDA work is done: a GPU phase ends when its
-    kernels end, not when Python has queued them."""
+    """``time.perf_counter()`` once the queued CUDA work is done (a GPU phase ends with it)."""
     if str(device).startswith("cuda"):
         import torch
 
@@ -118,8 +115,7 @@ def timed(device: Any = None) -> Iterator[Timing]:
 
 
 def seconds(fn: Callable, repeats: int, device: Any = None, warmup: int = 1) -> list[float]:
-    """Wall seconds of each of ``repeats`` calls after ``warmup`` untimed ones (lazy loading,
-    caches); report ``min`` (the least disturbed on a shared box) and the median."""
+    """Wall seconds of ``repeats`` calls after ``warmup`` untimed ones: report min and median."""
     for _ in range(warmup):
         fn()
     out = []
@@ -131,8 +127,7 @@ def seconds(fn: Callable, repeats: int, device: Any = None, warmup: int = 1) -> 
 
 
 def gpu_seconds(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> list[float]:
-    """GPU seconds of each call between CUDA events, no host sync in between: the kernels' own
-    time, without Python's launch gaps while the queue stays full."""
+    """GPU seconds of each call between CUDA events, no host sync: the kernels' own time."""
     import torch
 
     for _ in range(warmup):
@@ -168,8 +163,7 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
 
 
 def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
-    """``fn()`` under torch.profiler (its result returned): the ops by CUDA time, then by self CPU
-    time (launch-bound phases show there), to ``dst``; without a GPU by CPU time alone."""
+    """``fn()`` under torch.profiler: its ops by CUDA, then self CPU time (no GPU: CPU), to dst."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -223,8 +217,7 @@ def state_tensors(optimizer: Any) -> list[Any]:
 
 
 def torch_threads(default: int) -> int:
-    """Set torch's threads to ``OMNI_GRPO_TORCH_THREADS`` (as the trainer reads it), else
-    ``default``: on a shared box more threads than free cores only add barrier waits."""
+    """Torch's threads: ``OMNI_GRPO_TORCH_THREADS`` as the trainer reads it, else ``default``."""
     import torch
 
     n = int(os.environ.get("OMNI_GRPO_TORCH_THREADS") or 0) or default
@@ -247,8 +240,7 @@ def child_json(argv: list[str], check: bool = True, **run: Any) -> dict[str, Any
 
 
 def rerun(*extra: str, check: bool = True, **run: Any) -> dict[str, Any]:
-    """:func:`child_json` of this script's own command line with ``extra`` arguments appended (a
-    hidden option that makes the child measure one side)."""
+    """:func:`child_json` of this script's own command line + ``extra`` (a hidden side option)."""
     return child_json([sys.executable, sys.argv[0], *sys.argv[1:], *extra], check, **run)
 
 
