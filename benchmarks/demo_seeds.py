@@ -159,11 +159,6 @@ def record(args: Any, order: list, runs: dict, interrupted: bool, **facts: Any) 
     return out | {"all_pass": bool(first) and all(r.get("pass") for r in first)}
 
 
-def by_kind(runs: dict[str, list[dict[str, Any]]], threads: int) -> list[list[dict[str, Any]]]:
-    """Each kind's runs at ``threads``."""
-    return [[r for r in kind if r["threads"] == threads] for kind in runs.values()]
-
-
 def summarise(runs: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in runs if r.get("exit_code") == 0]
     return round(statistics.mean(values), 1) if values else None
@@ -191,7 +186,7 @@ if __name__ == "__main__":
     runs, interrupted = sweep(order, configs, args.work)
     by_threads: dict[str, Any] = {}
     for t in threads:
-        recipe, baseline = by_kind(runs, t)
+        recipe, baseline = ([r for r in kind if r["threads"] == t] for kind in runs.values())
         entry: dict[str, Any] = {"recipe_pass": passed(recipe)}
         for kind, rows in (("recipe", recipe), ("baseline", baseline)):
             entry |= {f"{kind}_{k}_mean": summarise(rows, k) for k in ("wall_s", "cpu_s")}

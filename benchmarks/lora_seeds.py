@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from demo_seeds import REPO, by_kind, parse_ints, passed, record, summarise, sweep
+from demo_seeds import REPO, parse_ints, passed, record, summarise, sweep
 
 if __name__ == "__main__":
     examples = REPO / "examples"
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     runs, interrupted = sweep(order, configs, args.work)
     by_threads: dict[str, Any] = {}
     for t in threads:
-        lora, full = by_kind(runs, t)
+        lora, full = ([r for r in kind if r["threads"] == t] for kind in runs.values())
         entry: dict[str, Any] = {"lora_pass": passed(lora), "full_pass": passed(full)}
         # the ratio on the seeds both ran (same seed, same thread count, adjacent in time)
         paired = {r["seed"] for r in full} & {r["seed"] for r in lora}

@@ -21,29 +21,6 @@ from omni_grpo.testing.sync import ServerSideReceivers, receiver_main
 from omni_rollout_client.testing import FakeOmniServer
 
 
-def synthetic_state(mb: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Qwen3-MoE-shaped layers (hidden 1024, 16 experts of 512) until ~``mb`` MiB."""
-    h, inter, e, heads, kv, hd, vocab = 1024, 512, 16, 8, 2, 128, 32000
-    g = torch.Generator().manual_seed(0)
-    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    shapes |= {"self_attn.q_proj.weight": (heads * hd, h), "self_attn.k_proj.weight": (kv * hd, h)}
-    shapes |= {"self_attn.v_proj.weight": (kv * hd, h), "self_attn.o_proj.weight": (h, heads * hd)}
-    shapes |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
-    shapes |= {"mlp.gate.weight": (e, h)}  # the experts in memory layout: [E, 2I, H], [E, H, I]
-    shapes["mlp.experts.gate_up_proj"] = (e, 2 * inter, h)
-    shapes["mlp.experts.down_proj"] = (e, h, inter)
-    lm = "model.language_model."
-    top = {lm + "embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h)}
-    top[lm + "norm.weight"] = (h,)
-    state = {k: (torch.randn(*s, generator=g) * 0.02).to(dtype) for k, s in top.items()}
-    layer = 0
-    while harness.nbytes(state.values()) < mb << 20:
-        for k, s in shapes.items():
-            state[f"{lm}layers.{layer}.{k}"] = (torch.randn(*s, generator=g) * 0.02).to(dtype)
-        layer += 1
-    return state
-
-
 def raw_broadcast(tensors: list, bucket_bytes: int, backend: str, device: str, out: Path) -> float:
     """Seconds to broadcast every bucket to one receiver with no HTTP and no conversion."""
     ctx = mp.get_context("forkserver")
@@ -72,7 +49,26 @@ if __name__ == "__main__":
     args = ap.parse_args()
     mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
     device = "cuda:0" if args.backend == "nccl" else "cpu"
-    state = {k: v.to(device) for k, v in synthetic_state(args.mb, torch.bfloat16).items()}
+    # Qwen3-MoE-shaped layers (hidden 1024, 16 experts of 512) until ~--mb MiB
+    h, inter, e, heads, kv, hd, vocab = 1024, 512, 16, 8, 2, 128, 32000
+    g = torch.Generator().manual_seed(0)
+    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    shapes |= {"self_attn.q_proj.weight": (heads * hd, h), "self_attn.k_proj.weight": (kv * hd, h)}
+    shapes |= {"self_attn.v_proj.weight": (kv * hd, h), "self_attn.o_proj.weight": (h, heads * hd)}
+    shapes |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    shapes |= {"mlp.gate.weight": (e, h)}  # the experts in memory layout: [E, 2I, H], [E, H, I]
+    shapes["mlp.experts.gate_up_proj"] = (e, 2 * inter, h)
+    shapes["mlp.experts.down_proj"] = (e, h, inter)
+    lm = "model.language_model."
+    top = {lm + "embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h)}
+    top[lm + "norm.weight"] = (h,)
+    state = {k: (torch.randn(*s, generator=g) * 0.02).bfloat16() for k, s in top.items()}
+    layer = 0
+    while harness.nbytes(state.values()) < args.mb << 20:
+        for k, s in shapes.items():
+            state[f"{lm}layers.{layer}.{k}"] = (torch.randn(*s, generator=g) * 0.02).bfloat16()
+        layer += 1
+    state = {k: v.to(device) for k, v in state.items()}
     nbytes, bucket_bytes = harness.nbytes(state.values()), args.bucket_mb << 20
     server_tensors = list(to_server_tensors(state.items(), "hf_memory"))
     with tempfile.TemporaryDirectory() as tmp:
