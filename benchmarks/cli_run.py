@@ -27,32 +27,6 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "qwen3-omni-30b-
 RATE = 16000
 
 
-def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) -> list[dict]:
-    """Real files for the benchmark's synthetic media (same sizes and durations) and the rows
-    that name them; every row is a two-choice question so that ``mcq`` scores it."""
-    dst.mkdir(parents=True, exist_ok=True)
-    chirp, (frames, fps) = thinker_rig.chirp(args.audio_seconds, RATE), thinker_rig.video(args)
-    rows = []
-    for i, s in enumerate(samples):
-        media = []
-        for item in s.media:
-            kind = item["type"]
-            if kind == "image":
-                path = dst / images[i].name
-                shutil.copy(images[i], path)
-            elif kind == "audio":
-                path = dst / f"audio{i}.wav"
-                sf.write(path, chirp, RATE, subtype="PCM_16")
-            else:
-                path = write_video_with_sound(dst / f"video{i}.mp4", frames, fps, chirp)
-            media.append({"type": kind, "path": path.name})
-        row = {"uid": s.uid, "prompt": s.prompt + " Answer A or B.", "label": "A"}
-        row |= {"choices": ["A", "B"], "media": media, "modality": s.modality}
-        rows.append(row | {"use_audio_in_video": bool(s.use_audio_in_video)})
-    (dst / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
-
-
 def write_run(
     dst: Path, thinker: Any, vl_dir: Path, skeleton: Path, samples: list, images: list, args: Any
 ) -> Path:
@@ -73,7 +47,29 @@ def write_run(
     state = {f"audio_tower.{k}": v.cpu().contiguous() for k, v in module.state_dict().items()}
     save_file(state, str(dst / "audio" / "model.safetensors"))
     (dst / "audio" / "config.json").write_text(json.dumps(tower.config.to_dict(), indent=2))
-    write_media(samples, args, images, dst / "data")
+    # real files for the synthetic media (same sizes and durations) and the rows that name them;
+    # every row a two-choice question, so that mcq scores it
+    data = dst / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    chirp, (frames, fps) = thinker_rig.chirp(args.audio_seconds, RATE), thinker_rig.video(args)
+    rows = []
+    for i, s in enumerate(samples):
+        media = []
+        for item in s.media:
+            kind = item["type"]
+            if kind == "image":
+                path = data / images[i].name
+                shutil.copy(images[i], path)
+            elif kind == "audio":
+                path = data / f"audio{i}.wav"
+                sf.write(path, chirp, RATE, subtype="PCM_16")
+            else:
+                path = write_video_with_sound(data / f"video{i}.mp4", frames, fps, chirp)
+            media.append({"type": kind, "path": path.name})
+        row = {"uid": s.uid, "prompt": s.prompt + " Answer A or B.", "label": "A"}
+        row |= {"choices": ["A", "B"], "media": media, "modality": s.modality}
+        rows.append(row | {"use_audio_in_video": bool(s.use_audio_in_video)})
+    (data / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # the one-GPU example's trainer (on CUDA) with this run's sizes, media limits and LoRA
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["run"] = {"dir": str(dst / "run"), "seed": args.seed, "steps": args.steps, "save_every": 0}

@@ -68,20 +68,6 @@ def draw_lengths(spec: str, rows: int, limit: int, seed: Any) -> list[int]:
     return [int(x) for x in np.clip(np.ceil(draw), 1, limit)]
 
 
-def batching_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each engine over every step: tokens/s (all tokens / all seconds), the mean roofline
-    ratio, and its tokens/s against the static decoder's (the engine before batching) when run."""
-    out: dict[str, Any] = {}
-    for name in steps[0]["batching"]:
-        runs = [st["batching"][name] for st in steps]
-        rate = sum(r["new_tokens"] for r in runs) / sum(r["generation_s"] for r in runs)
-        ratio = sum(r["variable_roofline_ratio"] for r in runs) / len(runs)
-        out[name] = {"tokens_per_s": round(rate, 1), "variable_roofline_ratio": round(ratio, 4)}
-    for entry in out.values() if "static" in out else ():
-        entry["vs_static"] = round(entry["tokens_per_s"] / out["static"]["tokens_per_s"], 3)
-    return out
-
-
 def run_trl_side(args: Any, cfg: dict, vl_dir: Path, samples: list, images: list) -> dict:
     """The same random model (same seed), prompts and batch through TRL's ``GRPOTrainer`` with
     peft (our LoRA targets as peft's config), vision frozen, checkpointing on, after our model is
@@ -272,7 +258,16 @@ if __name__ == "__main__":
     out["roofline"] = {"decode_bytes": decode_bytes, "prefill_flops": prefill_flops}
     out["roofline"] |= {"generation_s": roofline_s, "update_flops": update_flops}
     out |= {"build_s": round(build.s, 1), "steps": steps}
-    out["batching_summary"] = batching_summary(steps)
+    # each engine over every step: tokens/s (all tokens / all seconds), the mean roofline ratio,
+    # and its tokens/s against the static decoder's (the engine before batching) when run
+    out["batching_summary"] = summary = {}
+    for name in steps[0]["batching"]:
+        runs = [st["batching"][name] for st in steps]
+        rate = sum(r["new_tokens"] for r in runs) / sum(r["generation_s"] for r in runs)
+        ratio = sum(r["variable_roofline_ratio"] for r in runs) / len(runs)
+        summary[name] = {"tokens_per_s": round(rate, 1), "variable_roofline_ratio": round(ratio, 4)}
+    for entry in summary.values() if "static" in summary else ():
+        entry["vs_static"] = round(entry["tokens_per_s"] / summary["static"]["tokens_per_s"], 3)
     out |= {"last": last, "peak_allocated_gib": round(peak, 2), "samples_per_s": ours, "trl": trl}
     out["samples_per_s_ratio_vs_trl"] = ours / trl["samples_per_s"] if trl else None
     out["versions"] = harness.versions("peft")
