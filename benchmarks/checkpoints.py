@@ -49,8 +49,7 @@ def write_shards(
 
 
 def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, Any]:
-    """A hub-layout bf16 Qwen3-Omni checkpoint at the released widths with ``layers`` layers,
-    its shards cut through a layer's expert list as on the hub; returns its size facts."""
+    """A hub-layout bf16 checkpoint at the released widths, shards cut through expert lists."""
     from omni_extract import tiny
     from omni_extract.expected import expected_thinker_tensors
     from omni_extract.tokens import REAL_IDS
@@ -78,8 +77,7 @@ def generate_checkpoint(dst: Path, layers: int, shard_bytes: int) -> dict[str, A
 
 
 def copy_shards(src: Path, dst: Path) -> dict[str, float]:
-    """``shutil.copyfile`` of ``src``'s shard files into ``dst``: the physical limit of any
-    rewrite of the same bytes on the same disk."""
+    """``shutil.copyfile`` of the shards: the limit of any rewrite of these bytes on this disk."""
     files = sorted(src.glob("model-*.safetensors"))
     dst.mkdir(parents=True)
     with harness.timed() as t:

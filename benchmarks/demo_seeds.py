@@ -132,10 +132,8 @@ def run_one(config: Path, work: Path, name: str, seed: int, threads: int, extra:
 
 
 def sweep(order: list[tuple[str, int, int]], configs: dict, work: Path | None) -> tuple[dict, bool]:
-    """:func:`run_one` for each (kind, seed, threads) of ``order``, one at a time, kind ``k``
-    with ``configs[k]`` = (config, overrides), in ``work`` (default: a temporary folder). Each
-    run goes to stderr as it ends; SIGTERM or Ctrl-C ends the sweep, and what finished is
-    still reported (``interrupted``)."""
+    """:func:`run_one` for each (kind, seed, threads) with ``configs[kind]`` (config, overrides);
+    SIGTERM or Ctrl-C ends the sweep, and what finished is still reported (``interrupted``)."""
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.ExitStack() as stack:

@@ -31,8 +31,7 @@ def _bench(fn: Callable[[], Any]) -> float:
 
 def _bench_graph(fn: Callable[[], Any]) -> float:
     """GPU time of ``fn`` replayed from a CUDA graph, as the decode step runs it: a small op's
-    eager time is its launch (a Triton launch costs tens of microseconds of Python), not the
-    kernel's."""
+    eager time is its launch (tens of microseconds of Python for Triton), not the kernel's."""
     from triton.testing import do_bench_cudagraph
 
     fn()  # compile / autotune outside the capture

@@ -25,8 +25,7 @@ AUDIO |= {"downsample_hidden_size": 480, "encoder_layers": 32, "conv_chunksize":
 
 
 def make_skeleton(dst: Path) -> Path:
-    """A tiny real-vocabulary Omni checkpoint extracted to ``dst/vl`` + ``dst/audio`` (kept from
-    an earlier run): the config, tokenizer, processor and sideband a widened checkpoint reuses."""
+    """A tiny real-vocabulary checkpoint extracted to ``dst/vl`` + ``dst/audio`` (if not there)."""
     from omni_extract import extract
     from omni_extract.tiny import TinyOmniSpec, make_tiny_omni
 

@@ -59,8 +59,7 @@ def vl_dir_at(skeleton: Path, dst: Path, layers: int, widths: str, vision_depth:
 
 
 def _drawn(make: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """``make()`` with ``dtype`` as the default dtype, on ``device`` (an fp32 48-layer model
-    would not fit next to its bf16 copy)."""
+    """``make()`` in ``dtype`` on ``device`` (fp32 48 layers would not fit beside its bf16 copy)."""
     previous = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
@@ -194,8 +193,7 @@ def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = F
 
 
 def trainer(thinker: Any, device: torch.device, pad: int, lora: Any, kl: float, **kw: Any) -> Any:
-    """The real ``TorchBackend`` with gradient checkpointing: k3 KL to the base, clip 0.2 / 0.28,
-    lr 1e-5; ``kw``: other ``TrainerConfig`` fields (or these)."""
+    """The real ``TorchBackend``: checkpointing, k3 KL, clip 0.2 / 0.28, lr 1e-5 (or ``kw``)."""
     kw = {"device": str(device), "lr": 1e-5, "gradient_checkpointing": True, "lora": lora, **kw}
     algo = AlgoConfig(kl_coef=kl, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
     return TorchBackend(thinker, TrainerConfig(**kw), algo, pad_token_id=pad, device=device)

@@ -99,11 +99,9 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
 def run_trl(
     args: Any, vl: Path, rows: list, model: Any = None, peft: Any = None, ckpt: bool = False
 ) -> dict:
-    """TRL's ``GRPOTrainer`` on ``rows`` (a row's ``media`` overrides ``args.media``). ``model``:
-    an already built ``Qwen3VLMoeForConditionalGeneration`` (``benchmarks/one_gpu_thinker.py``
-    draws the 48-layer one on the GPU) instead of loading ``vl``'s weights; ``peft`` (a peft config)
-    is handed to the trainer, which wraps the model with peft itself; ``ckpt``: gradient
-    checkpointing."""
+    """TRL's ``GRPOTrainer`` on ``rows`` (a row's ``media`` overrides ``args.media``); ``model``: a
+    built VL model instead of ``vl``'s weights (one_gpu_thinker.py's), ``peft``: a peft config the
+    trainer wraps it with, ``ckpt``: gradient checkpointing."""
     import transformers as tf
     from datasets import Dataset
     from PIL import Image
