@@ -92,8 +92,8 @@ def collapses(records: list[dict], chance: dict[str, float], warn_after: int) ->
 
 
 def run_one(config: Path, work: Path, name: str, seed: int, threads: int, extra: tuple) -> dict:
-    """One ``omni-grpo train`` child: its exit, wall and CPU time (``wait4``: user + sys of
-    the child, the comparable figure on a loaded box), final and learned-at accuracies, collapses."""
+    """One ``omni-grpo train`` child: exit, wall and CPU time (``wait4``: comparable under load),
+    final and learned-at accuracies, collapses."""
     run_dir = work / name
     sets = [f"run.dir={run_dir}", f"run.seed={seed}", "run.plots=false", "run.tensorboard=false"]
     cmd = [sys.executable, "-m", "omni_grpo.cli", "train", "--config", str(config), "--no-progress"]

@@ -60,9 +60,8 @@ def run(config: str, run_dir: Path, steps: int, overrides: list[str]) -> dict[st
 
 @contextlib.contextmanager
 def fake_server(work: Path, delay: float) -> Iterator[str]:
-    """The fake sglang-omni server (``omni_grpo.testing.fake_server``: real HTTP, the 0.1.9
-    contract) as its own process, as a real server would be: its request handling shares no GIL
-    with the trainer, only the machine's cores. Yields its URL."""
+    """The fake sglang-omni server (real HTTP, the 0.1.9 contract) in its own process, as a real
+    one: its request handling shares no GIL with the trainer, only the cores. Yields its URL."""
     cmd = [sys.executable, "-m", "omni_grpo.testing.fake_server", "--token-delay-s", str(delay)]
     cmd += ["--model-path", str(work / "model" / "omni")]
     with open(work / "fake_server.log", "ab") as log:
@@ -138,9 +137,8 @@ def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
 
 
 def sglang_actor_pair(work: Path, steps: int, delay: float, extra: list, pin: bool = False) -> dict:
-    """The sglang pair's engine, fake and delay with the trainer as ONE Ray actor
-    (``trainer.world_size: 1`` + a launched fake server: the scale path's topology), where the
-    client's HTTP work no longer shares a GIL with training."""
+    """The sglang pair with the trainer as ONE Ray actor and a launched fake (the scale path's
+    topology): the client's HTTP work no longer shares a GIL with training."""
     out: dict[str, Any] = {"token_delay_s": round(delay, 4), "trainer_pinned": pin}
     launch = "{servers: 1, kind: fake, gpus_per_server: 0, cpus_per_server: 0.5, "
     launch += f"extra_args: [--token-delay-s, '{delay}']}}"
@@ -155,11 +153,9 @@ def sglang_actor_pair(work: Path, steps: int, delay: float, extra: list, pin: bo
 
 
 def ray_pair(work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
-    """The embedded rollout actors, their answer budget CHOSEN so that the on-policy rollout
-    takes one train step (on the recipe's <= 3 tokens it is about half of it: overlap could win
-    ~1.45x at most). Two short on-policy runs at two budgets give the rollout's fixed cost and
-    its cost per token (the random policy's answers run to the budget). One trainer rank, one
-    rollout actor."""
+    """One trainer rank and one embedded rollout actor, the answer budget CHOSEN so that the
+    on-policy rollout takes one train step (on the recipe's <= 3 tokens it is half of it: overlap
+    could win ~1.45x at most): two short runs at two budgets give its fixed and per-token cost."""
     trainers = actors = 1
 
     def on(name: str, staleness: int, n: int, tokens: int) -> dict[str, Any]:

@@ -113,9 +113,8 @@ def chirp(seconds: float, rate: int = 16000) -> np.ndarray:
 
 
 def video(args: argparse.Namespace) -> tuple[np.ndarray, float]:
-    """``--video-frames`` moving colour frames and their fps: with ``--long-prompts`` the frames
-    span the sound (``video_frames / audio_seconds`` fps: 32 frames over 60 s), so the interleave
-    spreads the frame chunks through the audio as a real clip's would."""
+    """``--video-frames`` moving colour frames and their fps; ``--long-prompts``: spanning the sound
+    (32 frames over 60 s), so the interleave spreads them through the audio as a real clip's."""
     n, long = args.video_frames, getattr(args, "long_prompts", False)
     frames = np.stack([colour_field(args.video_size, i, n) for i in range(n)])
     return frames, n / args.audio_seconds if long else 2.0
