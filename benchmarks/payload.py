@@ -91,8 +91,7 @@ def run_case(name: str, n: int, rng: np.random.Generator) -> dict[str, Any]:
     for key, t in mm.items():
         assert torch.equal(decoded[key], t), f"{name}: baseline round trip changed {key}"
     del base_bodies, decoded
-    results: dict[str, Any] = {}
-    results["baseline"] = side(base_bytes, base_tensor_bytes, base_cpu, base_decode)
+    results = {"baseline": side(base_bytes, base_tensor_bytes, base_cpu, base_decode)}
     for label, bf16 in (("ours", True), ("ours_fp32", False)):
         our_cpu, (prompt, bodies) = cpu(lambda bf16=bf16: ours_group(ids, mm, n, bf16))
         joined = b"".join(bodies[0])  # what arrives at the server

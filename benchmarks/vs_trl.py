@@ -117,12 +117,10 @@ def run_trl(
         video_processor = tf.Qwen3VLVideoProcessor(do_sample_frames=False)  # frames given as files
     except ImportError:
         video_processor = None
-    processor = tf.Qwen3VLProcessor(
-        image_processor=tf.AutoImageProcessor.from_pretrained(vl),
-        tokenizer=tf.AutoTokenizer.from_pretrained(vl),
-        video_processor=video_processor,
-        chat_template=json.loads((vl / "chat_template.json").read_text())["chat_template"],
-    )
+    template = json.loads((vl / "chat_template.json").read_text())["chat_template"]
+    kw = dict(image_processor=tf.AutoImageProcessor.from_pretrained(vl), chat_template=template)
+    kw |= dict(tokenizer=tf.AutoTokenizer.from_pretrained(vl), video_processor=video_processor)
+    processor = tf.Qwen3VLProcessor(**kw)
     records = []
     for r in rows:
         if r.get("media", args.media) == "image":
