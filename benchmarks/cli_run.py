@@ -1,10 +1,9 @@
 """The benchmark's model and prompts as an ``omni-grpo train`` run: checkpoint, media, rows, config.
 
-Why: the benchmark times the trainer and engine objects directly; a user runs the CLI, which adds
-media decoding, the data stream, rewards, logging and checkpoints around the same step. Writing the
-drawn model (at the benchmark's depth and real widths) and its prompts to disk, with the one-GPU
-example's trainer settings, lets the CLI's step time be compared with the benchmark's on the same
-card (docs/one-gpu-lora.md, "The CLI against the benchmark").
+Why: the benchmark times the trainer and engine objects; a user runs the CLI, which adds media
+decoding, the data stream, rewards, logging and checkpoints around the same step. The drawn model
+and prompts on disk with the one-GPU example's settings let the CLI's step time be compared with
+the benchmark's on the same card (docs/one-gpu-lora.md, "The CLI against the benchmark").
 
 Under ``dst``: ``vl/`` and ``audio/`` in the extracted layout, ``data/`` (each prompt's media as
 real files: PNG, WAV of the chirp, MP4 with that chirp as its sound, and ``rows.jsonl``), and

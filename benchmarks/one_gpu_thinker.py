@@ -6,16 +6,12 @@ random bf16 weights drawn on the GPU (``thinker_rig``); the real ``TorchBackend`
 prompts mixed in one step, end-of-turn ids banned (every sample ``--max-new-tokens`` long). Per
 step: generation, reference forward and update seconds; tokens/s against the decode roofline and
 update MFU (``roofline``, over ``harness.device_limits`` measured in the same run); peak memory;
-rollout<->trainer logprob mismatch. ``--lengths lognormal:MEDIAN:SIGMA``, ``--batching both``,
-``--long-prompts``, ``--generation-only`` and the method: docs/one-gpu-lora.md.
-
-Options: ``--long-prompts`` (every prompt a 32-frame video and 60 s of audio, unless given);
-``--batching both`` (each step with each decoder, same lengths; ``--static-batch-rows``: the
-static engine's, its KV must fit: 64 for 256 x 4096); ``--extra-groups N`` (also partial rollouts,
-N groups in flight); ``--micro-batch-tokens`` (pack rows of several prompts); ``--compile``,
-``--checkpoint-policy selective`` (keep the attention's products), ``--exact-logprobs``: the
-trainer's options; ``--write-run DIR`` (the drawn model, the media and an ``omni-grpo train``
-config: cli_run.py); ``--trl-steps N`` (then TRL + peft); ``--profile PATH`` (one more update).
+rollout<->trainer logprob mismatch. The method: docs/one-gpu-lora.md. ``--lengths
+lognormal:MEDIAN:SIGMA``; ``--long-prompts`` (every prompt a 32-frame video and 60 s of audio);
+``--batching both`` (each step with each decoder; ``--static-batch-rows``: 64 for 256 x 4096);
+``--extra-groups N`` (partial rollouts, N groups in flight); ``--micro-batch-tokens`` (pack rows),
+``--compile``, ``--checkpoint-policy``, ``--exact-logprobs``: the trainer's; ``--write-run DIR``
+(model, media and a train config: cli_run.py); ``--trl-steps N`` (then TRL + peft); ``--profile``.
 
     python benchmarks/one_gpu_thinker.py --work /tmp/og                       # H200, 8 x 8 x 512
     python benchmarks/one_gpu_thinker.py --work /tmp/og --prompts 32          # 256 rows
