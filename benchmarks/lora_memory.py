@@ -1,13 +1,12 @@
 """The one-GPU memory model of LoRA GRPO on the Qwen3-Omni thinker: measured per depth, fitted per
 layer, projected to the released 48 text layers and checked against a run at the deepest depth
-that fits (``--deep``, else ``--deep-fallback``). Each depth in its own process (``thinker_rig``);
-the method: docs/one-gpu-lora.md, "The memory model (measured)".
+that fits (``--deep``, else ``--deep-fallback``). Each depth in its own process (``thinker_rig``),
+with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set otherwise; the method:
+docs/one-gpu-lora.md, "The memory model (measured)".
 
     python benchmarks/lora_memory.py --work /tmp/lm                       # H200: 2,4,8 + 48
     python benchmarks/lora_memory.py --device cpu --widths tiny --layers 1,2 --deep 3 \\
         --prompts 2 --group 2 --max-new-tokens 4 --image-size 64 --steps 1  # CPU smoke run
-
-Children run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set otherwise.
 """
 
 import argparse

@@ -3,8 +3,7 @@
 Both sides train the same random bf16 ``vl`` checkpoint at the real widths cut to ``--layers``,
 on the same prompts and settings, each in its own process: samples/s, generated tokens/s, peak
 GPU memory and their ratios; the settings matched and how TRL gets onto the GPU box:
-docs/benchmarks.md, "Methods". ``--skeleton DIR``: an extracted ``vl`` + ``audio`` pair to reuse
-the config, tokenizer and processor of (default: made by the tiny factory).
+docs/benchmarks.md, "Methods". ``--skeleton DIR``: an extracted ``vl`` + ``audio`` pair to reuse.
 
     python benchmarks/vs_trl.py --work /tmp/vs_trl [--media video]      # H200: real widths
     python benchmarks/vs_trl.py --device cpu --widths tiny --image-size 64 --max-new-tokens 8 \\
