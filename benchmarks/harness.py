@@ -34,8 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -101,15 +101,13 @@ def now(device: Any = None) -> float:
     return time.perf_counter()
 
 
-@dataclass
-class Timing:
-    s: float = float("nan")  # set when the block ends
+Timing = types.SimpleNamespace  # ``t.s``: a timed block's seconds, set when it ends
 
 
 @contextlib.contextmanager
 def timed(device: Any = None) -> Iterator[Timing]:
     """``with timed(device) as t:`` — afterwards ``t.s`` is the block's wall seconds."""
-    t, start = Timing(), now(device)
+    t, start = Timing(s=float("nan")), now(device)
     yield t
     t.s = now(device) - start
 

@@ -197,7 +197,7 @@ if __name__ == "__main__":
         lengths = [len(c.token_ids) for gr in groups for c in gr]
         adv = rig.advantages(groups, args.group)
         metrics: dict[str, Any] = {}
-        upd = harness.Timing(0.0)
+        upd = harness.Timing(s=0.0)
         if not args.generation_only:
             with harness.timed(device) as upd:
                 metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))

@@ -12,8 +12,7 @@ VOCAB = 152064
 LAYERS = 48  # text decoder layers
 TEXT = {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}
 TEXT |= {"moe_intermediate_size": 768, "intermediate_size": 768, "num_experts": 128}
-TEXT |= {"num_experts_per_tok": 8}
-TEXT["max_position_embeddings"] = 65536  # the released context (the tiny factory's is 4096)
+TEXT |= {"num_experts_per_tok": 8, "max_position_embeddings": 65536}  # context (tiny: 4096)
 # interleaved M-RoPE over head dim 128: 24 temporal, 20 height, 20 width frequency pairs
 ROPE = {"rope_theta": 1e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
 VISION = {"hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16}
