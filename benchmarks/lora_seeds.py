@@ -34,8 +34,7 @@ if __name__ == "__main__":
         # the ratio on the seeds both ran (same seed, same thread count, adjacent in time)
         paired = {r["seed"] for r in full} & {r["seed"] for r in lora}
         for key in ("wall_s", "cpu_s"):
-            a = summarise([r for r in lora if r["seed"] in paired], key)
-            b = summarise([r for r in full if r["seed"] in paired], key)
+            a, b = (summarise([r for r in rs if r["seed"] in paired], key) for rs in (lora, full))
             entry[f"lora_{key}_mean"], entry[f"full_{key}_mean"] = a, b
             entry[f"{key}_ratio_lora_over_full"] = round(a / b, 3) if a and b else None
         by_threads[str(t)] = entry
