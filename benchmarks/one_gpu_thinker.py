@@ -244,9 +244,8 @@ if __name__ == "__main__":
         trl = run_trl_side(args, cfg, vl_dir, samples, images)
     ours = rows / last["step_s"]
     config = {k: vars(args)[k] for k in ("layers", "widths", "prompts", "group")}
-    config |= {"rows": rows, "max_new_tokens": args.max_new_tokens}
+    config |= {"rows": rows, "max_new_tokens": args.max_new_tokens, "lora": spec}
     config |= {"modalities": [s.modality for s in samples], "prompt_tokens": prompt_lens}
-    config["lora"] = spec
     config |= {k: vars(args)[k] for k in ("expert_path", "micro_batch_size", "micro_batch_tokens")}
     config["gradient_checkpointing"] = True
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
@@ -266,9 +265,8 @@ if __name__ == "__main__":
         entry["vs_static"] = round(entry["tokens_per_s"] / summary["static"]["tokens_per_s"], 3)
     out |= {"last": last, "peak_allocated_gib": round(peak, 2), "samples_per_s": ours, "trl": trl}
     out["samples_per_s_ratio_vs_trl"] = ours / trl["samples_per_s"] if trl else None
-    out["versions"] = harness.versions("peft")
-    out["dynamo"] = None  # with --compile: the graphs it made and where it broke them (fusion)
-    if args.compile:
+    out |= {"versions": harness.versions("peft"), "dynamo": None}
+    if args.compile:  # the graphs it made and where it broke them (a break costs fusion)
         breaks = {k.split("\n")[0][:120]: v for k, v in counters["graph_break"].items()}
         out["dynamo"] = {"stats": dict(counters["stats"]), "graph_breaks": breaks}
     harness.emit("one_gpu_thinker", out, args.save)
