@@ -51,8 +51,8 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         torch.cuda.empty_cache()
         after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / harness.GIB
     builder = PromptBuilder(vl_dir, DataConfig(image_max_pixels=args.image_size**2))
-    question = "Describe the colours in detail."
-    _, _, prompts = rig.samples(work, builder, args.prompts, ("image",), args.image_size, question)
+    sized = (args.prompts, ("image",), args.image_size, "Describe the colours in detail.")
+    _, _, prompts = rig.samples(work, builder, *sized)
     eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
     ckpt = {"micro_batch_size": args.group, "gradient_checkpointing": not args.no_checkpointing}
@@ -60,9 +60,7 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     adapters = [p for p in thinker.parameters() if p.requires_grad]
     engine = rig.engine(thinker, eos, device, builder.tokenizer)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
-    gen_peak: dict[str, float] = {}
-    upd_peak: dict[str, float] = {}
-    steps = []
+    gen_peak, upd_peak, steps = {}, {}, []
     torch.manual_seed(args.seed)
     for _ in range(args.steps):
         harness.peak_bytes(device, reset=True)
