@@ -37,12 +37,11 @@ def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[
         torch.manual_seed(1)
         rig.real_audio_tower(thinker, skeleton / "audio", device, torch.bfloat16)
         builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
-        question = "Describe it in detail."
-        sized = (args.prompts, KINDS, args.image_size, question)
+        sized = (args.prompts, KINDS, args.image_size, "Describe it in detail.")
         _, _, prompts = rig.samples(Path(args.work), builder, *sized)
         eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
-        lora = LoraConfig(rank=16, alpha=32.0, targets=["attention", "experts"])
-        lora = lora if mode == "lora" else None
+        spec = {"rank": 16, "alpha": 32.0, "targets": ["attention", "experts"]}
+        lora = LoraConfig(**spec) if mode == "lora" else None
         mb = {k: vars(args)[k] for k in ("micro_batch_size", "micro_batch_tokens")}
         backend = rig.trainer(thinker, device, pad, lora, 0.01, lr=1e-5 if lora else 1e-6, **mb)
         switched = enable_exact_logprobs(thinker) if exact else {}
