@@ -94,10 +94,8 @@ def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
 # ------------------------------------------------------------------------------------ clocks
 def now(device: Any = None) -> float:
     """``time.perf_counter()`` once the queued CUDA work is done (a GPU phase ends with it)."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
+    if str(device).startswith("cuda"):  # then torch is imported
+        sys.modules["torch"].cuda.synchronize()
     return time.perf_counter()
 
 
@@ -126,16 +124,15 @@ def seconds(fn: Callable, repeats: int, device: Any = None, warmup: int = 1) -> 
 
 def gpu_seconds(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> list[float]:
     """GPU seconds of each call between CUDA events, no host sync: the kernels' own time."""
-    import torch
-
+    cuda = sys.modules["torch"].cuda  # imported by the caller that has a GPU
     for _ in range(warmup):
         fn()
-    events = [[torch.cuda.Event(enable_timing=True) for _ in "ab"] for _ in range(repeats)]
+    events = [[cuda.Event(enable_timing=True) for _ in "ab"] for _ in range(repeats)]
     for start, end in events:
         start.record()
         fn()
         end.record()
-    torch.cuda.synchronize()
+    cuda.synchronize()
     return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
@@ -184,11 +181,10 @@ def peak_bytes(device: Any = None, reset: bool = False) -> int:
     process's peak RSS, which a forked child inherits (an exec'd one, :func:`child_json`, not)."""
     if not str(device).startswith("cuda"):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    import torch
-
-    peak = torch.cuda.max_memory_allocated()
+    cuda = sys.modules["torch"].cuda  # a CUDA device: torch is imported
+    peak = cuda.max_memory_allocated()
     if reset:
-        torch.cuda.reset_peak_memory_stats()
+        cuda.reset_peak_memory_stats()
     return peak
 
 

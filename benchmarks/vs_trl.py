@@ -57,8 +57,8 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     dev, cuda = args.device, args.device == "cuda"
     model = load_thinker(vl, audio_dir=audio, dtype="bfloat16" if cuda else "float32", device=dev)
     data = DataConfig(video_fps=args.fps, image_max_pixels=args.image_size**2 * 4)
-    builder = PromptBuilder(vl, data)
-    tok, prompts = builder.tokenizer, []
+    builder, prompts = PromptBuilder(vl, data), []
+    tok = builder.tokenizer
     for r in rows:
         media = [{"type": args.media, "path": r["path"]}]
         sample = Sample(r["id"], f"<{args.media}>{r['text']}", "", media, modality=args.media)
@@ -103,7 +103,6 @@ def run_trl(
     trainer wraps it with, ``ckpt``: gradient checkpointing."""
     import transformers as tf
     from datasets import Dataset
-    from PIL import Image
     from trl import GRPOConfig, GRPOTrainer
 
     device = args.device
