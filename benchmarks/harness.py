@@ -140,9 +140,7 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
     """What a roofline divides by, measured (a datasheet is not what this card and driver give):
     copy bandwidth (bytes read + written per second) and matmul FLOP/s of ``matmul``^3, medians.
     CUDA: bf16, GPU events. CPU: fp32 (bf16 is emulated there), 2048^3 and 256 MiB, wall time."""
-    import torch
-
-    cuda = str(device).startswith("cuda")
+    torch, cuda = sys.modules["torch"], str(device).startswith("cuda")  # torch: the caller's
     dtype = torch.bfloat16 if cuda else torch.float32
     n, nbytes = (matmul, int(copy_gib * GIB)) if cuda else (min(matmul, 2048), 256 << 20)
     src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device).normal_()
@@ -205,9 +203,8 @@ def nbytes(tensors: Any) -> int:
 
 def state_tensors(optimizer: Any) -> list[Any]:
     """The tensors of an optimizer's state (AdamW's moments and steps)."""
-    import torch
-
-    return [x for s in optimizer.state.values() for x in s.values() if torch.is_tensor(x)]
+    is_tensor = sys.modules["torch"].is_tensor  # an optimizer: torch is imported
+    return [x for s in optimizer.state.values() for x in s.values() if is_tensor(x)]
 
 
 def torch_threads(default: int) -> int:

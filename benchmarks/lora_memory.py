@@ -118,8 +118,7 @@ if __name__ == "__main__":
     if args.child is not None:
         print(json.dumps(run_depth(args, args.child)), flush=True)
         sys.exit()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    (work := Path(args.work)).mkdir(parents=True, exist_ok=True)
     if not args.skeleton:
         released.make_skeleton(work / "skeleton")
     elif not (work / "skeleton").exists():

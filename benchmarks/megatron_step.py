@@ -113,8 +113,7 @@ if __name__ == "__main__":
     harness.add_options(ap, no_sync=False, profile=False, big_batch=8)
     harness.add_options(ap, loss=("vocab_parallel", "chunked"))
     args = ap.parse_args()
-    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ |= {k: os.environ.get(k, "0") for k in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")}
     from omni_grpo.backends.megatron.model import init_parallel
     from omni_grpo.config import MegatronConfig
 

@@ -134,9 +134,7 @@ def run_trl(
     try:
         dataset = Dataset.from_list(records * (args.warmup + args.steps) * 4)
     except pickle.PicklingError:  # some dill/pyarrow pairs cannot hash the table: no cache key
-        import datasets.arrow_dataset
-
-        datasets.arrow_dataset.generate_fingerprint = lambda _ds: "vs-trl"
+        sys.modules[Dataset.__module__].generate_fingerprint = lambda _ds: "vs-trl"
         dataset = Dataset.from_list(records * (args.warmup + args.steps) * 4)
     tokens: list[int] = []
     ends: list[float] = []
