@@ -1,144 +1,89 @@
 """The benchmark's model and prompts as an ``omni-grpo train`` run: checkpoint, media, rows, config.
 
-Why: the benchmark times the trainer and engine objects directly; a user runs the CLI, which adds
-media decoding, the data stream, rewards, logging and checkpoints around the same step. Writing the
-drawn model (at the benchmark's depth and real widths) and its prompts to disk, with the one-GPU
-example's trainer settings, lets the CLI's step time be compared with the benchmark's on the same
-card (docs/one-gpu-lora.md, "The CLI against the benchmark").
+Why: the benchmark times the trainer and engine objects; a user runs the CLI, which adds media
+decoding, the data stream, rewards, logging and checkpoints around the same step. The drawn model
+and prompts on disk with the one-GPU example's settings let the CLI's step time be compared with
+the benchmark's on the same card (docs/one-gpu-lora.md, "The CLI against the benchmark").
 
-What is written under ``dst``: ``vl/`` (the thinker's VL weights in the extracted layout, its
-tokenizer and processor files), ``audio/`` (the audio tower's weights and config, as
-``omni-grpo extract --variant audio`` writes them), ``data/`` (each prompt's media as real files
-— a PNG, a WAV of the chirp, an MP4 whose sound track is that chirp — and ``rows.jsonl``), and
-``train.yaml``: ``examples/qwen3-omni-30b-lora-1gpu.yaml`` with the run, model, data and rollout
-sizes of the benchmark.
+Under ``dst``: ``vl/`` and ``audio/`` in the extracted layout, ``data/`` (each prompt's media as
+real files: PNG, WAV of the chirp, MP4 with that chirp as its sound, and ``rows.jsonl``), and
+``train.yaml``: ``examples/qwen3-omni-30b-lora-1gpu.yaml`` with the benchmark's sizes.
 """
-
-from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import soundfile as sf
 import thinker_rig
 import torch
 import yaml
+from omni_grpo.data.synthetic import write_video_with_sound
+from safetensors.torch import save_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "qwen3-omni-30b-lora-1gpu.yaml"
 RATE = 16000
-
-
-def write_vl(vl: torch.nn.Module, vl_dir: Path, dst: Path) -> None:
-    """The VL module's weights under the config and tokenizer files of ``vl_dir`` (its
-    ``config.json`` carries the sideband that ``save_pretrained``'s would not)."""
-    vl.save_pretrained(dst, max_shard_size="4GB")
-    for f in vl_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, dst / f.name)
-
-
-def write_audio(tower: Any, skeleton_audio: Path, dst: Path, device: torch.device) -> None:
-    """The frozen audio tower (``thinker.audio.tower``: the rig's real-width one, or the
-    skeleton's, loaded here) as an extracted audio directory."""
-    from safetensors.torch import save_file
-
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in skeleton_audio.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    module, config = tower.module(device, dtype), tower.config
-    state = {
-        f"audio_tower.{k}": v.detach().cpu().contiguous() for k, v in module.state_dict().items()
-    }
-    save_file(state, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-
-
-def write_media(samples: list[Any], args: Any, images: list[Path], dst: Path) -> list[dict]:
-    """Real files for the benchmark's synthetic media (same sizes and durations) and the rows
-    that name them; every row is a two-choice question so that ``mcq`` scores it."""
-    from omni_grpo.data.synthetic import write_video_with_sound
-
-    dst.mkdir(parents=True, exist_ok=True)
-    t = np.arange(int(args.audio_seconds * RATE)) / RATE
-    chirp = (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
-    fps = args.video_frames / args.audio_seconds if args.long_prompts else 2.0
-    n = args.video_frames
-    frames = np.stack([thinker_rig.colour_field(args.video_size, i, n) for i in range(n)])
-    rows = []
-    for i, s in enumerate(samples):
-        media = []
-        for item in s.media:
-            kind = item["type"]
-            if kind == "image":
-                path = dst / images[i].name
-                shutil.copy(images[i], path)
-            elif kind == "audio":
-                import soundfile as sf
-
-                path = dst / f"audio{i}.wav"
-                sf.write(path, chirp, RATE, subtype="PCM_16")
-            else:
-                path = write_video_with_sound(dst / f"video{i}.mp4", frames, fps, chirp)
-            media.append({"type": kind, "path": path.name})
-        rows.append(
-            {
-                "uid": s.uid,
-                "prompt": s.prompt + " Answer A or B.",
-                "label": "A",
-                "choices": ["A", "B"],
-                "media": media,
-                "modality": s.modality,
-                "use_audio_in_video": bool(s.use_audio_in_video),
-            }
-        )
-    (dst / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
-
-
-def train_config(dst: Path, args: Any, device: str) -> dict[str, Any]:
-    """The one-GPU example with this benchmark's run: its trainer section as it is (on CUDA),
-    the benchmark's prompts, group, lengths, media limits and LoRA."""
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg["run"] = {"dir": str(dst / "run"), "seed": args.seed, "steps": args.steps, "save_every": 0}
-    cfg["model"] = {
-        "extracted_dir": str(dst / "vl"),
-        "audio_dir": str(dst / "audio"),
-        "dtype": "bfloat16" if device == "cuda" else "float32",
-        "freeze_visual": True,
-    }
-    cfg["data"] = {
-        "train": str(dst / "data" / "rows.jsonl"),
-        "root": str(dst / "data"),
-        "image_max_pixels": args.image_size**2,
-        "audio_max_seconds": args.audio_seconds,
-        "max_frames": args.video_frames,
-        "video_max_pixels": args.video_size**2,
-    }
-    rollout = cfg["rollout"]
-    rollout.update(n_samples=args.group, prompts_per_step=args.prompts)
-    rollout["sampling"]["max_new_tokens"] = args.max_new_tokens
-    rollout.pop("eval_sampling", None)
-    cfg.pop("eval", None)
-    lora = cfg["trainer"]["lora"]
-    lora.update(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
-    if device != "cuda":  # the CPU check of this writer: no compile, fp32
-        cfg["trainer"].update(device="cpu", compile=False)
-    return cfg
 
 
 def write_run(
     dst: Path, thinker: Any, vl_dir: Path, skeleton: Path, samples: list, images: list, args: Any
 ) -> Path:
     """Everything ``omni-grpo train --config <dst>/train.yaml`` needs; returns that path."""
-    dst = Path(dst)
-    write_vl(thinker.vl, vl_dir, dst / "vl")
-    device = torch.device(args.device)
-    write_audio(thinker.audio.tower, skeleton / "audio", dst / "audio", device)
-    write_media(samples, args, images, dst / "data")
-    config = dst / "train.yaml"
-    config.write_text(yaml.safe_dump(train_config(dst, args, device.type), sort_keys=False))
+    dst, device, config = Path(dst), torch.device(args.device), Path(dst) / "train.yaml"
+    # the weights under vl_dir's files (its config.json carries the sideband, not theirs)
+    thinker.vl.save_pretrained(dst / "vl", max_shard_size="4GB")
+    for f in vl_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / "vl" / f.name)
+    # the frozen audio tower (the rig's or the skeleton's) as an extracted audio directory
+    (dst / "audio").mkdir(parents=True, exist_ok=True)
+    for f in (skeleton / "audio").iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dst / "audio" / f.name)
+    tower = thinker.audio.tower
+    module = tower.module(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    state = {f"audio_tower.{k}": v.cpu().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(dst / "audio" / "model.safetensors"))
+    (dst / "audio" / "config.json").write_text(json.dumps(tower.config.to_dict(), indent=2))
+    # real files for the synthetic media (same sizes and durations) and the rows that name them;
+    # every row a two-choice question, so that mcq scores it
+    data = dst / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    chirp, (frames, fps) = thinker_rig.chirp(args.audio_seconds, RATE), thinker_rig.video(args)
+    rows = []
+    for i, s in enumerate(samples):
+        media = []
+        for item in s.media:
+            kind = item["type"]
+            if kind == "image":
+                path = data / images[i].name
+                shutil.copy(images[i], path)
+            elif kind == "audio":
+                path = data / f"audio{i}.wav"
+                sf.write(path, chirp, RATE, subtype="PCM_16")
+            else:
+                path = write_video_with_sound(data / f"video{i}.mp4", frames, fps, chirp)
+            media.append({"type": kind, "path": path.name})
+        row = {"uid": s.uid, "prompt": s.prompt + " Answer A or B.", "label": "A"}
+        row |= {"choices": ["A", "B"], "media": media, "modality": s.modality}
+        rows.append(row | {"use_audio_in_video": bool(s.use_audio_in_video)})
+    (data / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # the one-GPU example's trainer (on CUDA) with this run's sizes, media limits and LoRA
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg["run"] = {"dir": str(dst / "run"), "seed": args.seed, "steps": args.steps, "save_every": 0}
+    model = {"extracted_dir": str(dst / "vl"), "audio_dir": str(dst / "audio")}
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg["model"] = model | {"dtype": dtype, "freeze_visual": True}
+    cfg["data"] = {"train": str(dst / "data" / "rows.jsonl"), "root": str(dst / "data")}
+    cfg["data"] |= thinker_rig.media_limits(args)
+    cfg["rollout"].update(n_samples=args.group, prompts_per_step=args.prompts)
+    cfg["rollout"]["sampling"]["max_new_tokens"] = args.max_new_tokens
+    cfg["rollout"].pop("eval_sampling", None)
+    cfg.pop("eval", None)
+    lora = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets.split(",")}
+    cfg["trainer"]["lora"].update(lora)
+    if device.type != "cuda":  # the CPU check of this writer: no compile, fp32
+        cfg["trainer"].update(device="cpu", compile=False)
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return config

@@ -4,8 +4,6 @@
     uv run python benchmarks/core_logprobs.py
 """
 
-from __future__ import annotations
-
 from functools import partial
 from typing import Any
 
@@ -31,7 +29,7 @@ def measure(fn: Any, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, A
     return {"saved": sum(seen.values()), "s": t.s, "out": out.detach(), "grad": x.grad.float()}
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__).parse_args()
     torch.manual_seed(0)
     logits = (torch.randn(ROWS, VOCAB) * 3).to(torch.bfloat16)
@@ -44,23 +42,13 @@ def main() -> None:
     for fn in (naive, chunked):  # warm-up (the first checkpoint call has a one-time cost)
         measure(fn, logits[:256], targets[:256])
     base, ours = measure(naive, logits, targets), measure(chunked, logits, targets)
-    record = {
-        "rows": ROWS,
-        "vocab": VOCAB,
-        "logits_bytes_bf16": logits.numel() * 2,
-        "baseline": "naive log_softmax(logits.float()).gather",
-        "baseline_saved_bytes": base["saved"],
-        "chunked_saved_bytes": ours["saved"],
-        "saved_bytes_ratio": ours["saved"] / base["saved"],
-        "baseline_wall_s": round(base["s"], 3),
-        "chunked_wall_s": round(ours["s"], 3),
-        "wall_ratio": round(ours["s"] / base["s"], 3),
-        "max_abs_diff_logp": float((ours["out"] - base["out"]).abs().max()),
-        "max_abs_diff_grad": float((ours["grad"] - base["grad"]).abs().max()),
-        "torch_threads": torch.get_num_threads(),
-    }
+    record = {"rows": ROWS, "vocab": VOCAB, "logits_bytes_bf16": logits.numel() * 2}
+    record |= {"baseline": "naive log_softmax(logits.float()).gather"}
+    record |= {"baseline_saved_bytes": base["saved"], "chunked_saved_bytes": ours["saved"]}
+    record |= {"saved_bytes_ratio": ours["saved"] / base["saved"]}
+    record |= {"baseline_wall_s": round(base["s"], 3), "chunked_wall_s": round(ours["s"], 3)}
+    record |= {"wall_ratio": round(ours["s"] / base["s"], 3)}
+    record["max_abs_diff_logp"] = float((ours["out"] - base["out"]).abs().max())
+    record["max_abs_diff_grad"] = float((ours["grad"] - base["grad"]).abs().max())
+    record["torch_threads"] = torch.get_num_threads()
     harness.emit("core_logprobs", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,8 +8,6 @@ same run (docs/benchmarks.md, "Methods").
     python benchmarks/decode_attention.py                     # H200
 """
 
-from __future__ import annotations
-
 import json
 import statistics
 import sys
@@ -31,18 +29,17 @@ def _sdpa(q: torch.Tensor, keys: list, values: list, mask: torch.Tensor, cut: in
         sdpa(q, k[:, :, :cut], v[:, :, :cut], attn_mask=m)
 
 
-def _kernel(
-    q: torch.Tensor, keys: list, values: list, start: torch.Tensor, slot: torch.Tensor
-) -> None:
+def _kernel(q: torch.Tensor, keys: list, values: list, start: Any, slot: Any) -> None:
     """The split-KV kernel over every layer's buffer (reads keys ``[start, slot]`` only)."""
     for k, v in zip(keys, values, strict=True):
         decode_attention_kernel(q, k, v, start, slot, DIM**-0.5)
 
 
-def run(args: Any) -> dict[str, Any]:
+if __name__ == "__main__":
+    ap = harness.parser(__doc__, rows=[64, 256], positions=[1, 256, 511], prompt=411, max_new=512)
+    args = harness.add_options(ap, bucket=128, layers=8).parse_args()
     limits = harness.device_limits("cuda", copy_gib=2)
-    bw = limits["copy_bytes_per_s"]
-    total = args.prompt + args.max_new
+    bw, total = limits["copy_bytes_per_s"], args.prompt + args.max_new
     out: dict[str, Any] = {"copy_bytes_per_s": bw, "limits": limits, "cases": []}
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
     for rows in args.rows:
@@ -58,11 +55,9 @@ def run(args: Any) -> dict[str, Any]:
             must = rows * KV_HEADS * (length - pad.float().mean().item()) * DIM * 2 * 2
             start, slot = pad.to(torch.int32), torch.tensor([length - 1], device="cuda")
             case: dict[str, Any] = {"rows": rows, "length": length, "bucket": bucket}
-            variants = {
-                "sdpa_full": partial(_sdpa, q, keys, values, mask, total),
-                "sdpa_bucket": partial(_sdpa, q, keys, values, mask, bucket),
-                "kernel": partial(_kernel, q, keys, values, start, slot),
-            }
+            cut = partial(_sdpa, q, keys, values, mask)
+            variants = {"sdpa_full": partial(cut, total), "sdpa_bucket": partial(cut, bucket)}
+            variants["kernel"] = partial(_kernel, q, keys, values, start, slot)
             for name, fn in variants.items():
                 s = statistics.median(harness.gpu_seconds(fn, 20)) / args.layers
                 case[name] = {"s_per_layer": s, "ratio_to_copy_bw": must / s / bw}
@@ -71,14 +66,4 @@ def run(args: Any) -> dict[str, Any]:
             case["kernel_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
             out["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
-    return out
-
-
-def main() -> None:
-    ap = harness.parser(__doc__, rows=[64, 256], positions=[1, 256, 511], prompt=411, max_new=512)
-    args = harness.add_options(ap, bucket=128, layers=8).parse_args()
-    harness.emit("decode_attention", run(args), args.save)
-
-
-if __name__ == "__main__":
-    main()
+    harness.emit("decode_attention", out, args.save)

@@ -8,8 +8,6 @@ their ratios. Minutes per run; the method: docs/benchmarks.md, "Methods".
         [--set rollout.max_staleness=1 ...] [--work DIR: keep the run directories]
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import math
@@ -37,15 +35,8 @@ BASELINES: dict[str, tuple[str, ...]] = {
     "main": OLD_LR,
     # the demo issue 16 was filed against (main at 46b1011): no KL anchor, 200 steps, evaluation
     # every 25, the tiny model and data pinned to seed 0
-    "issue16": (
-        "algo.kl_coef=0.0",
-        "algo.kl_type=k1",
-        *OLD_LR,
-        "run.steps=200",
-        "eval.every=25",
-        "model.make_tiny.seed=0",
-        "data.synthetic.seed=0",
-    ),
+    "issue16": ("algo.kl_coef=0.0", "algo.kl_type=k1", *OLD_LR, "run.steps=200", "eval.every=25")
+    + ("model.make_tiny.seed=0", "data.synthetic.seed=0"),
 }
 
 
@@ -63,19 +54,7 @@ def eval_history(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, flo
     return {m: [(r["step"], float(r[key(m)])) for r in records if key(m) in r] for m in MODALITIES}
 
 
-def chance_levels(run_dir: Path) -> dict[str, float]:
-    """Per modality, the mean of 1 / #choices over the run's held-out rows."""
-    inverse: dict[str, list[float]] = {m: [] for m in MODALITIES}
-    for line in (run_dir / "data" / "eval.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("modality") in inverse and row.get("choices"):
-            inverse[row["modality"]].append(1.0 / len(row["choices"]))
-    return {m: statistics.mean(v) for m, v in inverse.items() if v}
-
-
-def collapses(
-    records: list[dict[str, Any]], chance: dict[str, float], warn_after: int
-) -> list[dict[str, Any]]:
+def collapses(records: list[dict], chance: dict[str, float], warn_after: int) -> list[dict]:
     """Every post-learning collapse, per modality after its first held-out evaluation >= TARGET:
     a later evaluation below it; a stretch where the mean training reward of the last ``WINDOW``
     logged steps falls below the midpoint between chance and TARGET (a dip between evaluations);
@@ -87,11 +66,8 @@ def collapses(
         learned = next((step for step, v in history[m] if v >= TARGET), None)
         if learned is None:
             continue
-        events += [
-            {"modality": m, "kind": "eval", "step": step, "value": v}
-            for step, v in history[m]
-            if step > learned and v < TARGET
-        ]
+        later = [(step, v) for step, v in history[m] if step > learned and v < TARGET]
+        events += [{"modality": m, "kind": "eval", "step": step, "value": v} for step, v in later]
         floor = (chance.get(m, 0.5) + TARGET) / 2
         window: list[float] = []
         open_event: dict[str, Any] | None = None
@@ -115,11 +91,9 @@ def collapses(
     return events
 
 
-def run_one(
-    config: Path, work: Path, name: str, seed: int, threads: int, extra: tuple[str, ...]
-) -> dict[str, Any]:
-    """One ``omni-grpo train`` child: its exit, wall and CPU time (``wait4``: user + sys of
-    the child, the comparable figure on a loaded box), final and learned-at accuracies, collapses."""
+def run_one(config: Path, work: Path, name: str, seed: int, threads: int, extra: tuple) -> dict:
+    """One ``omni-grpo train`` child: exit, wall and CPU time (``wait4``: comparable under load),
+    final and learned-at accuracies, collapses."""
     run_dir = work / name
     sets = [f"run.dir={run_dir}", f"run.seed={seed}", "run.plots=false", "run.tensorboard=false"]
     cmd = [sys.executable, "-m", "omni_grpo.cli", "train", "--config", str(config), "--no-progress"]
@@ -146,16 +120,20 @@ def run_one(
     final = {m: history[m][-1][1] for m in MODALITIES if history[m]}
     learned = {m: next((s for s, v in history[m] if v >= TARGET), None) for m in MODALITIES}
     warn = yaml.safe_load((run_dir / "config.yaml").read_text()).get("run", {})
-    found = collapses(records, chance_levels(run_dir), int(warn.get("collapse_warn_steps", 0)))
+    inverse: dict[str, list[float]] = {m: [] for m in MODALITIES}  # 1 / #choices per eval row
+    for line in (run_dir / "data" / "eval.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("modality") in inverse and row.get("choices"):
+            inverse[row["modality"]].append(1.0 / len(row["choices"]))
+    chance = {m: statistics.mean(v) for m, v in inverse.items() if v}
+    found = collapses(records, chance, int(warn.get("collapse_warn_steps", 0)))
     passes = all(final.get(m, 0.0) >= TARGET for m in MODALITIES) and not found
     return out | {"final": final, "learned_at": learned, "collapses": found, "pass": passes}
 
 
 def sweep(order: list[tuple[str, int, int]], configs: dict, work: Path | None) -> tuple[dict, bool]:
-    """:func:`run_one` for each (kind, seed, threads) of ``order``, one at a time, kind ``k``
-    with ``configs[k]`` = (config, overrides), in ``work`` (default: a temporary folder). Each
-    run goes to stderr as it ends; SIGTERM or Ctrl-C ends the sweep, and what finished is
-    still reported (``interrupted``)."""
+    """:func:`run_one` for each (kind, seed, threads) with ``configs[kind]`` (config, overrides);
+    SIGTERM or Ctrl-C ends the sweep, and what finished is still reported (``interrupted``)."""
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.ExitStack() as stack:
@@ -171,6 +149,14 @@ def sweep(order: list[tuple[str, int, int]], configs: dict, work: Path | None) -
     return runs, False
 
 
+def record(args: Any, order: list, runs: dict, interrupted: bool, **facts: Any) -> dict[str, Any]:
+    """What every sweep reports (``facts`` after its config); ``all_pass``: of the first kind."""
+    out = {"config": str(args.config), **facts, "cpus": os.cpu_count(), "target": TARGET}
+    first = next(iter(runs.values()))
+    out |= {"interrupted": interrupted, "planned_runs": len(order)}
+    return out | {"all_pass": bool(first) and all(r.get("pass") for r in first)}
+
+
 def summarise(runs: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in runs if r.get("exit_code") == 0]
     return round(statistics.mean(values), 1) if values else None
@@ -180,7 +166,7 @@ def passed(runs: list[dict[str, Any]]) -> str:
     return f"{sum(bool(r.get('pass')) for r in runs)}/{len(runs)}"
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, config=REPO / "examples" / "tiny.yaml", seeds="0-4", threads="1,2")
     harness.add_options(ap, baseline_seeds="0", baseline_threads="1,2", work=Path)  # '': none
     ap.add_argument("--baseline", choices=sorted(BASELINES), default="main")
@@ -188,20 +174,17 @@ def main() -> None:
     args = ap.parse_args()
     seeds, threads = parse_ints(args.seeds), parse_ints(args.threads)
     base_seeds, base_threads = parse_ints(args.baseline_seeds), parse_ints(args.baseline_threads)
-    # threads-major (the fast thread count first, so a stopped sweep still covers every seed),
-    # each baseline run right after the recipe run of its seed and thread count so load drifts
-    # hit both the same way
+    # threads-major (the fast thread count first: a stopped sweep still covers every seed), each
+    # baseline run right after the recipe run of its seed and thread count (load drifts hit both)
+    both = {(s, t) for s in base_seeds for t in base_threads}
     order = [(k, s, t) for t in threads for s in seeds for k in ("recipe", "baseline")]
-    order = [
-        (k, s, t) for k, s, t in order if k == "recipe" or (s in base_seeds and t in base_threads)
-    ]
+    order = [(k, s, t) for k, s, t in order if k == "recipe" or (s, t) in both]
     configs = {"recipe": (args.config, tuple(args.overrides))}
     configs["baseline"] = (args.config, BASELINES[args.baseline])
     runs, interrupted = sweep(order, configs, args.work)
     by_threads: dict[str, Any] = {}
     for t in threads:
-        recipe = [r for r in runs["recipe"] if r["threads"] == t]
-        baseline = [r for r in runs["baseline"] if r["threads"] == t]
+        recipe, baseline = ([r for r in kind if r["threads"] == t] for kind in runs.values())
         entry: dict[str, Any] = {"recipe_pass": passed(recipe)}
         for kind, rows in (("recipe", recipe), ("baseline", baseline)):
             entry |= {f"{kind}_{k}_mean": summarise(rows, k) for k in ("wall_s", "cpu_s")}
@@ -213,26 +196,8 @@ def main() -> None:
                     r[f"{key}_ratio"] = round(r[key] / b, 3)
         ratios = [r["wall_s_ratio"] for r in recipe if "wall_s_ratio" in r]
         by_threads[str(t)] = entry | {"wall_s_ratio_max": max(ratios) if ratios else None}
-    record = {
-        "config": str(args.config),
-        "cpus": os.cpu_count(),
-        "target": TARGET,
-        "baseline": args.baseline,
-        "baseline_overrides": list(BASELINES[args.baseline]),
-        "recipe_overrides": args.overrides,
-        "interrupted": interrupted,
-        "planned_runs": len(order),
-        "all_pass": bool(runs["recipe"]) and all(r.get("pass") for r in runs["recipe"]),
-        "collapses": [
-            {"seed": r["seed"], "threads": r["threads"], **c}
-            for r in runs["recipe"]
-            for c in r.get("collapses", [])
-        ],
-        "by_threads": by_threads,
-        "runs": runs,
-    }
-    harness.emit("demo_seeds", record, args.save)
-
-
-if __name__ == "__main__":
-    main()
+    base = {"baseline": args.baseline, "baseline_overrides": list(BASELINES[args.baseline])}
+    out = record(args, order, runs, interrupted, **base, recipe_overrides=args.overrides)
+    found = [(r, c) for r in runs["recipe"] for c in r.get("collapses", [])]
+    out["collapses"] = [{"seed": r["seed"], "threads": r["threads"], **c} for r, c in found]
+    harness.emit("demo_seeds", out | {"by_threads": by_threads, "runs": runs}, args.save)

@@ -9,9 +9,6 @@ after step 1 and ``on_over_off`` (target >= 0.85). The setup: docs/exact-logprob
     python benchmarks/exact_logprobs.py --work /tmp/og --modes lora --steps 2 --max-new-tokens 64
 """
 
-from __future__ import annotations
-
-import argparse
 import gc
 import json
 import sys
@@ -23,20 +20,16 @@ import harness
 import released
 import thinker_rig as rig
 import torch
+from omni_grpo.config import LoraConfig
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.exact import enable_exact_logprobs
+from omni_grpo.exact.towers import clear_item_caches
+from omni_grpo.types import GRPOBatch, SamplingParams
 
-GIB = harness.GIB
 KINDS = ("image", "audio", "video", "text")
 
 
-def run_one(
-    args: argparse.Namespace, cfg: dict[str, Any], vl_dir: Path, mode: str, exact: bool
-) -> dict[str, Any]:
-    from omni_grpo.config import LoraConfig
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.exact import enable_exact_logprobs
-    from omni_grpo.exact.towers import clear_item_caches
-    from omni_grpo.types import GRPOBatch, SamplingParams
-
+def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[str, Any]:
     skeleton, device = Path(args.work) / "skeleton", torch.device("cuda")
     with harness.timed(device) as build:
         # seeded: the same weights in every run
@@ -44,13 +37,11 @@ def run_one(
         torch.manual_seed(1)
         rig.real_audio_tower(thinker, skeleton / "audio", device, torch.bfloat16)
         builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
-        question = "Describe it in detail."
-        samples, _ = rig.samples(Path(args.work), args.prompts, KINDS, args.image_size, question)
-        prompts = [builder.build(s, "/") for s in samples]
+        sized = (args.prompts, KINDS, args.image_size, "Describe it in detail.")
+        _, _, prompts = rig.samples(Path(args.work), builder, *sized)
         eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
-        lora = None
-        if mode == "lora":
-            lora = LoraConfig(rank=16, alpha=32.0, targets=["attention", "experts"])
+        spec = {"rank": 16, "alpha": 32.0, "targets": ["attention", "experts"]}
+        lora = LoraConfig(**spec) if mode == "lora" else None
         mb = {k: vars(args)[k] for k in ("micro_batch_size", "micro_batch_tokens")}
         backend = rig.trainer(thinker, device, pad, lora, 0.01, lr=1e-5 if lora else 1e-6, **mb)
         switched = enable_exact_logprobs(thinker) if exact else {}
@@ -74,7 +65,7 @@ def run_one(
         for k in ("exact_fraction", "abs_diff", "pearson"):
             row[k] = metrics.get(f"train_rollout_logprob_{k}")
         row["skipped_step"] = metrics.get("skipped_step")
-        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / harness.GIB, 2)
         # the update's phases (TorchBackend's clock): KL reference forward, policy passes
         for k in ("reference", "policy"):
             row[f"{k}_s"] = round(float(metrics.get(f"time_{k}_s", 0.0)), 3)
@@ -93,23 +84,18 @@ def run_one(
         adv = rig.advantages(groups, args.group)
         batch = GRPOBatch(groups, adv, temperature=sampling.temperature)
         harness.profile_table(partial(backend.step, batch), out / f"profile_{tag}.txt")
-    timed = steps[1:] or steps
-    rows = args.prompts * args.group
-    out = {
-        "build_s": round(build.s, 1),
-        "switched": switched,
-        "steps": steps,
-        "samples_per_s": rows * len(timed) / sum(s["step_s"] for s in timed),
-        "exact_fraction_min": min(float(s["exact_fraction"]) for s in steps),
-        "abs_diff_max": max(float(s["abs_diff"]) for s in steps),
-    }
+    timed, rows = steps[1:] or steps, args.prompts * args.group
+    out = {"build_s": round(build.s, 1), "switched": switched, "steps": steps}
+    out["samples_per_s"] = rows * len(timed) / sum(s["step_s"] for s in timed)
+    out["exact_fraction_min"] = min(float(s["exact_fraction"]) for s in steps)
+    out["abs_diff_max"] = max(float(s["abs_diff"]) for s in steps)
     del backend, engine, thinker
     gc.collect()
     torch.cuda.empty_cache()
     return out
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, work="/tmp/exact_logprobs", layers=4, prompts=8, group=8)
     harness.add_options(ap, max_new_tokens=256, image_size=448, audio_seconds=30.0)
     harness.add_options(ap, video_frames=16, video_size=224, micro_batch_size=16)
@@ -122,19 +108,10 @@ def main() -> None:
     work = Path(args.work)
     skeleton = released.make_skeleton(work / "skeleton")
     vl_dir, cfg = rig.vl_dir_at(skeleton, work / f"vl-{args.layers}", args.layers, "real")
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "config": {k: v for k, v in vars(args).items() if k not in ("work", "save")},
-        "modes": {},
-    }
+    config = {k: v for k, v in vars(args).items() if k not in ("work", "save")}
+    result = {"device": torch.cuda.get_device_name(), "config": config, "modes": {}}
     for mode in args.modes.split(","):
-        runs = {}
-        for exact in (False, True):
-            runs["on" if exact else "off"] = run_one(args, cfg, vl_dir, mode, exact)
+        runs = {k: run_one(args, cfg, vl_dir, mode, k == "on") for k in ("off", "on")}
         runs["on_over_off"] = runs["on"]["samples_per_s"] / runs["off"]["samples_per_s"]
         result["modes"][mode] = runs
     harness.emit("exact_logprobs", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,8 +8,6 @@ a training batch, and the time at both sizes (docs/benchmarks.md, "Methods").
     python benchmarks/exact_ops.py            # needs CUDA
 """
 
-from __future__ import annotations
-
 import json
 import sys
 from collections.abc import Callable
@@ -33,8 +31,7 @@ def _bench(fn: Callable[[], Any]) -> float:
 
 def _bench_graph(fn: Callable[[], Any]) -> float:
     """GPU time of ``fn`` replayed from a CUDA graph, as the decode step runs it: a small op's
-    eager time is its launch (a Triton launch costs tens of microseconds of Python), not the
-    kernel's."""
+    eager time is its launch (tens of microseconds of Python for Triton), not the kernel's."""
     from triton.testing import do_bench_cudagraph
 
     fn()  # compile / autotune outside the capture
@@ -60,9 +57,8 @@ def linears(dev: torch.device) -> dict[str, Any]:
         row: dict[str, Any] = {"k": k, "n": n}
         for label, fn in (("torch", F.linear), ("exact", linear)):
             full = fn(a, w)
-            row[f"{label}_equal_rows"] = {
-                str(m): _equal_rows(fn(a[:m], w), full[:m]) for m in (1, 8, DECODE_ROWS, 512)
-            }
+            equal = {str(m): _equal_rows(fn(a[:m], w), full[:m]) for m in (1, 8, DECODE_ROWS, 512)}
+            row[f"{label}_equal_rows"] = equal
             ms = _bench(partial(fn, a, w))
             row[f"{label}_train_ms"] = ms
             row[f"{label}_train_tflops"] = 2 * TRAIN_ROWS * k * n / ms / 1e9
@@ -73,6 +69,7 @@ def linears(dev: torch.device) -> dict[str, Any]:
 
 def grouped(dev: torch.device) -> dict[str, Any]:
     from omni_grpo.exact.grouped import gmm
+    from omni_grpo.models.grouped_experts import grouped_mm
 
     fn_torch = getattr(F, "grouped_mm", None) or torch._grouped_mm
     out: dict[str, Any] = {}
@@ -94,29 +91,19 @@ def grouped(dev: torch.device) -> dict[str, Any]:
         pos_t = torch.empty_like(perm_t)
         pos_t[perm_t] = torch.arange(perm_t.numel(), device=dev)
         for label, fn in (("torch", lambda a, b, o: fn_torch(a, b, offs=o)), ("exact", gmm)):
-            full = fn(xs_t, w, offs_t)
-            part = fn(xs_d, w, offs_d)
+            full, part = fn(xs_t, w, offs_t), fn(xs_d, w, offs_d)
             row[f"{label}_equal_rows"] = _equal_rows(part, full[pos_t[perm_d]])
             row[f"{label}_train_ms"] = _bench(partial(fn, xs_t, w, offs_t))
             flops = 2 * xs_t.shape[0] * k * n
             row[f"{label}_train_tflops"] = flops / row[f"{label}_train_ms"] / 1e9
             row[f"{label}_decode_ms"] = _bench_graph(partial(fn, xs_d, w, offs_d))
         out[name] = row
-    out["lora_decode"] = _grouped_lora_decode(dev)
-    return out
-
-
-def _grouped_lora_decode(dev: torch.device) -> dict[str, Any]:
-    """A decode step's expert LoRA term ``(x A^T) B^T`` of gate_up and down (rank 16), grouped,
-    with torch's grouped GEMM (off) and the exact one (on): GPU ms per layer."""
-    from omni_grpo.exact.grouped import gmm
-    from omni_grpo.models.grouped_experts import grouped_mm
-
-    rank = 16
+    # a decode step's expert LoRA term (x A^T) B^T of gate_up and down (rank 16), grouped, with
+    # torch's grouped GEMM (off) and the exact one (on): GPU ms per layer
+    rank, lora_decode = 16, {}
     ids = torch.rand(DECODE_ROWS, EXPERTS, device=dev).topk(TOP_K, -1).indices.reshape(-1)
     e, perm = torch.sort(ids, stable=True)
     offs = torch.cumsum(torch.bincount(e, minlength=EXPERTS), 0).to(torch.int32)
-    out: dict[str, Any] = {}
     for name, (k, n) in {"gate_up": (HIDDEN, 2 * EXPERT_FFN), "down": (EXPERT_FFN, HIDDEN)}.items():
         x = torch.randn(perm.numel(), k, device=dev, dtype=torch.bfloat16)
         a_t = torch.randn(EXPERTS, k, rank, device=dev, dtype=torch.bfloat16)
@@ -126,7 +113,8 @@ def _grouped_lora_decode(dev: torch.device) -> dict[str, Any]:
             return mm(mm(x, a, offs), b, offs)
 
         for label, mm in (("torch", grouped_mm), ("exact", gmm)):
-            out[f"{label}_{name}_ms"] = _bench_graph(partial(lora, mm))
+            lora_decode[f"{label}_{name}_ms"] = _bench_graph(partial(lora, mm))
+    out["lora_decode"] = lora_decode
     return out
 
 
@@ -135,8 +123,7 @@ def _compare(fns: Any, *rows: torch.Tensor, shared: tuple = (), bench: bool = Tr
     same rows computed in the whole batch (``rows`` are cut, ``shared`` not), and the batch's time."""
     out: dict[str, Any] = {}
     for label, fn in fns:
-        full = fn(*rows, *shared)
-        part = fn(*(r[:DECODE_ROWS] for r in rows), *shared)
+        full, part = fn(*rows, *shared), fn(*(r[:DECODE_ROWS] for r in rows), *shared)
         out[f"{label}_equal_rows"] = _equal_rows(part, full[:DECODE_ROWS])
         if bench:
             out[f"{label}_train_ms"] = _bench(partial(fn, *rows, *shared))
@@ -148,14 +135,10 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
 
     bf16 = {"device": dev, "dtype": torch.bfloat16}
     out: dict[str, Any] = {}
-    rms = (
-        ("torch", partial(rw._torch_rmsnorm, eps=1e-6)),
-        ("exact", partial(rw.rmsnorm, eps=1e-6)),
-    )
-    for name, width, rows in (
-        ("rmsnorm_hidden", HIDDEN, TRAIN_ROWS),
-        ("rmsnorm_head", HEAD_DIM, TRAIN_ROWS * HEADS),
-    ):
+    rms = [("torch", rw._torch_rmsnorm), ("exact", rw.rmsnorm)]
+    rms = [(k, partial(f, eps=1e-6)) for k, f in rms]
+    sizes = {"rmsnorm_hidden": (HIDDEN, TRAIN_ROWS), "rmsnorm_head": (HEAD_DIM, TRAIN_ROWS * HEADS)}
+    for name, (width, rows) in sizes.items():
         x, w = torch.randn(rows, width, **bf16), torch.rand(width, **bf16)
         out[name] = _compare(rms, x, shared=(w,))
     z, tg = torch.randn(1024, VOCAB, device=dev) * 3, torch.randint(0, VOCAB, (1024,), device=dev)
@@ -202,11 +185,10 @@ def attention(dev: torch.device) -> dict[str, Any]:
         num_key_value_groups = HEADS // KV_HEADS
         training = False
 
-    rep = HEADS // KV_HEADS
     kf, vf = k[:, :, :length], v[:, :, :length]
 
     def torch_full() -> torch.Tensor:
-        kr, vr = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+        kr, vr = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (kf, vf))
         sdpa = F.scaled_dot_product_attention(q, kr, vr, attn_mask=full_mask, scale=scale)
         return sdpa.transpose(1, 2)
 
@@ -216,8 +198,7 @@ def attention(dev: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {}
     positions = [400, 511, 512, 700, 1023]
     for label, full_fn in (("torch", torch_full), ("exact", exact_full)):
-        full = full_fn()
-        equal = []
+        full, equal = full_fn(), []
         for t in positions:
             dmask = torch.zeros(batch, 1, 1, length + extra, dtype=torch.bool, device=dev)
             dmask[:, 0, 0, : t + 1] = keys[: t + 1][None] >= starts[:, None]
@@ -240,7 +221,7 @@ def attention(dev: torch.device) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("exact_ops.py needs a CUDA device")
@@ -255,7 +236,3 @@ def main() -> None:
             result[name] = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     harness.emit("exact_ops", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -6,15 +6,13 @@ checkpoints (``checkpoints``): docs/benchmarks.md, "Methods"; the result: docs/e
     uv run python benchmarks/export.py [--workdir /tmp/omni-export-bench] [--layers 2]
 """
 
-from __future__ import annotations
-
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import checkpoints as ck
-import harness
 
 
 def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
@@ -41,14 +39,11 @@ def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
     (ckpt / "state.json").write_text(json.dumps({"format": 1, "step": 1}))
     (run_dir / "config.yaml").write_text(f"model:\n  omni_checkpoint: {base}\n")
     nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    return {
-        "trained_tensors": len(trained),
-        "trained_files": len(set(files.values())),
-        "trained_bytes": nbytes,
-    }
+    out = {"trained_tensors": len(trained), "trained_files": len(set(files.values()))}
+    return out | {"trained_bytes": nbytes}
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = ck.options(__doc__, "export").parse_args()
     work, shard = args.workdir, args.shard_mb * 1000**2
     base, run = work / "omni-base", work / "run"
@@ -61,47 +56,30 @@ def main() -> None:
         return ck.generate_checkpoint(base, args.layers, shard) | make_run(run, base, shard)
 
     facts, gen_s = ck.generated(base / "bench_facts.json", make)
-    sides = {
-        "copy": ((base,), lambda dst: ck.child("copy", base, dst)),
-        "copy_in_process": ((base,), lambda dst: ck.copy_shards(base, dst)),
-        "ranges": ((run, base), lambda dst: ck.child("ranges", run, dst)),
-        "export": ((run, base), lambda dst: ck.child("export", run, dst)),
-    }
+    # each side: (the inputs read into the page cache first, run(dst))
+    sides = {"copy": ((base,), partial(ck.child, "copy", base))}
+    sides["copy_in_process"] = ((base,), partial(ck.copy_shards, base))
+    sides |= {kind: ((run, base), partial(ck.child, kind, run)) for kind in ("ranges", "export")}
     runs = ck.rounds(work, args.repeats, sides)
     total, exp = facts["total_bytes"], runs["export"]
     note = "GB/s over output bytes; timed inside the process, imports excluded"
     first = {"tensors": exp[0]["tensors"], "replaced": exp[0]["replaced"]}
     side = ck.measured(total, exp, note, **first, output_bytes=exp[0]["bytes"])
     in_child = ", in a child with the export child's imports"
-    same = "sendfile of exactly the byte ranges export moves (same source files, same order) into one file"
-    result: dict[str, Any] = {
-        "checkpoint": {**facts, "generate_seconds": round(gen_s, 1), "dtype": "bfloat16"},
-        "copy": ck.gbps(
-            total, runs["copy"], "shutil.copyfile of the base's shard files" + in_child
-        ),
-        "copy_in_process": ck.gbps(
-            total, runs["copy_in_process"], "the same copy inside this long-running process"
-        ),
-        "copy_same_ranges": ck.gbps(
-            total, runs["ranges"], same + in_child, ranges=runs["ranges"][-1]["ranges"]
-        ),
-        "export": side,
-        **ck.ratios(
-            exp,
-            export_vs_same_ranges=runs["ranges"],
-            export_vs_copy_throughput=runs["copy"],
-            export_vs_in_process_copy=runs["copy_in_process"],
-        ),
-        "peak_rss_vs_largest_shard": round(
-            side["peak_rss_bytes"] / side["largest_output_shard_bytes"], 3
-        ),
-        "targets": {"export_vs_copy_throughput": ">= 0.70", "peak_rss_vs_largest_shard": "<= 1.5"},
-        "machine": ck.machine(),
-    }
-    if not args.keep:
-        shutil.rmtree(work)
-    harness.emit("export", result, args.save)
-
-
-if __name__ == "__main__":
-    main()
+    copy = "shutil.copyfile of the base's shard files" + in_child
+    same = "sendfile of exactly the byte ranges export moves (same source files, same order) "
+    same += "into one file" + in_child
+    in_process = "the same copy inside this long-running process"
+    result = {"checkpoint": {**facts, "generate_seconds": round(gen_s, 1), "dtype": "bfloat16"}}
+    result |= {"copy": ck.gbps(total, runs["copy"], copy)}
+    result |= {"copy_in_process": ck.gbps(total, runs["copy_in_process"], in_process)}
+    ranges = runs["ranges"][-1]["ranges"]
+    result |= {"copy_same_ranges": ck.gbps(total, runs["ranges"], same, ranges=ranges)}
+    bases = {"export_vs_same_ranges": runs["ranges"], "export_vs_copy_throughput": runs["copy"]}
+    bases["export_vs_in_process_copy"] = runs["copy_in_process"]
+    result |= {"export": side} | ck.ratios(exp, **bases)
+    rss = side["peak_rss_bytes"] / side["largest_output_shard_bytes"]
+    result["peak_rss_vs_largest_shard"] = round(rss, 3)
+    targets = {"export_vs_copy_throughput": ">= 0.70", "peak_rss_vs_largest_shard": "<= 1.5"}
+    result["targets"] = targets
+    ck.finish("export", args, result)

@@ -9,26 +9,20 @@ puts the script's folder on ``sys.path``, so ``import harness`` works from any w
     limits = harness.device_limits(device)  # copy_bytes_per_s, matmul_flops_per_s: measured here
     with harness.timed(device) as gen:      # gen.s: wall seconds, CUDA synchronised at both ends
         ...
-    harness.seconds(fn, repeats, device)    # wall seconds of each call after a warm-up call
-    harness.gpu_seconds(fn, repeats)        # GPU seconds of each call (CUDA events)
-    harness.now(device)                     # perf_counter once the queued CUDA work is done
-    harness.peak_bytes(device, reset)       # CUDA peak allocation, else this process's peak RSS
-    harness.status_kb("VmHWM")              # /proc/self/status figures (a child's own peak RSS)
-    harness.nbytes(tensors)                 # their bytes; state_tensors(optimizer): its state's
-    harness.profile_table(fn, dst)          # fn() under torch.profiler: its ops' table to dst
-    harness.torch_threads(default)          # OMNI_GRPO_TORCH_THREADS, else ``default``
-    harness.child_json(argv)                # a side in its own process: its last JSON line
-    harness.rerun("--side", "ours")         # child_json of this script's own command + those
-    harness.train_metrics(run_dir)          # a training run's metrics.jsonl; means(rows, keys)
-    harness.versions("peft")                # python, git commit, GPU, torch, transformers, triton
     harness.emit(NAME, record, args.save)   # print (+ "benchmark", "versions"); --save MACHINE
-                                            # also writes results_path(NAME, MACHINE)
+                                            # also writes benchmarks/results/NAME_MACHINE.json
+
+Clocks: ``seconds(fn, repeats, device)`` (wall, after a warm-up call), ``gpu_seconds(fn, repeats)``
+(CUDA events), ``now(device)``. Memory: ``peak_bytes(device, reset)`` (CUDA's peak, else this
+process's peak RSS), ``status_kb("VmHWM")`` (a child's own peak RSS), ``nbytes(tensors)``,
+``state_tensors(optimizer)``. Processes: ``child_json(argv)`` (a side in its own process: its
+last JSON line), ``rerun("--side", "ours")`` (this script's own command + those),
+``torch_threads(default)``. Records: ``train_metrics(run_dir)``, ``means(rows, keys)``,
+``profile_table(fn, dst)`` (the ops' table), ``versions("peft")`` (python, git, GPU, packages).
 
 The baseline a figure is compared with is measured in the same run, never hard-coded: a ratio to
 a number from another day measures the other day's load.
 """
-
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -40,8 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -53,12 +47,8 @@ GIB = 1 << 30
 def parser(doc: str | None, **options: Any) -> argparse.ArgumentParser:
     """The script's docstring's first paragraph, ``--save MACHINE`` and :func:`add_options`."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    ap.add_argument(
-        "--save",
-        metavar="MACHINE",
-        type=machine_name,
-        help="also write benchmarks/results/NAME_MACHINE.json",
-    )
+    save = "also write benchmarks/results/NAME_MACHINE.json"
+    ap.add_argument("--save", metavar="MACHINE", type=machine_name, help=save)
     return add_options(ap, **options)
 
 
@@ -82,8 +72,7 @@ def add_options(ap: argparse.ArgumentParser, **options: Any) -> argparse.Argumen
 
 
 def machine_name(text: str) -> str:
-    """``--save``'s value: a name for the results file (``h200``), refused at parse time if it
-    is a path, rather than after a long run that then cannot write its result."""
+    """``--save``'s value (``h200``), a path refused at parse time, not after a long run."""
     if not text or "/" in text or text.endswith(".json"):
         raise argparse.ArgumentTypeError(
             f"{text!r} is a path; --save takes a machine name (h200): the result goes to "
@@ -92,50 +81,37 @@ def machine_name(text: str) -> str:
     return text
 
 
-def results_path(name: str, machine: str) -> Path:
-    """``benchmarks/results/<name>_<machine>.json``: what ran, then where (``h200``)."""
-    return REPO / "benchmarks" / "results" / f"{name}_{machine}.json"
-
-
 def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
-    """Print ``record`` as ONE JSON line with ``benchmark`` (unless it names itself) and
-    ``versions`` (its own entries win) added; with ``save`` also as the results file."""
+    """Print ``record`` as ONE JSON line, ``benchmark`` and ``versions`` added; ``save``: a file."""
     out = {"benchmark": name, **record}
     out["versions"] = versions() | (out.get("versions") or {})
     print(json.dumps(out), flush=True)  # first: a failed save does not lose the result
-    if save:
-        results_path(name, save).write_text(json.dumps(out, indent=2) + "\n")
+    if save:  # what ran, then where (h200)
+        path = REPO / "benchmarks" / "results" / f"{name}_{save}.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------ clocks
 def now(device: Any = None) -> float:
-    """``time.perf_counter()`` once the queued CUDA work is done: a GPU phase ends when its
-    kernels end, not when Python has queued them."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
+    """``time.perf_counter()`` once the queued CUDA work is done (a GPU phase ends with it)."""
+    if str(device).startswith("cuda"):  # then torch is imported
+        sys.modules["torch"].cuda.synchronize()
     return time.perf_counter()
 
 
-@dataclass
-class Timing:
-    s: float = float("nan")  # set when the block ends
+Timing = types.SimpleNamespace  # ``t.s``: a timed block's seconds, set when it ends
 
 
 @contextlib.contextmanager
 def timed(device: Any = None) -> Iterator[Timing]:
     """``with timed(device) as t:`` — afterwards ``t.s`` is the block's wall seconds."""
-    t, start = Timing(), now(device)
+    t, start = Timing(s=float("nan")), now(device)
     yield t
     t.s = now(device) - start
 
 
-def seconds(
-    fn: Callable[[], Any], repeats: int, device: Any = None, warmup: int = 1
-) -> list[float]:
-    """Wall seconds of each of ``repeats`` calls after ``warmup`` untimed ones (lazy loading,
-    caches); report ``min`` (the least disturbed on a shared box) and the median."""
+def seconds(fn: Callable, repeats: int, device: Any = None, warmup: int = 1) -> list[float]:
+    """Wall seconds of ``repeats`` calls after ``warmup`` untimed ones: report min and median."""
     for _ in range(warmup):
         fn()
     out = []
@@ -147,18 +123,16 @@ def seconds(
 
 
 def gpu_seconds(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> list[float]:
-    """GPU seconds of each call between CUDA events, no host sync in between: the kernels' own
-    time, without Python's launch gaps while the queue stays full."""
-    import torch
-
+    """GPU seconds of each call between CUDA events, no host sync: the kernels' own time."""
+    cuda = sys.modules["torch"].cuda  # imported by the caller that has a GPU
     for _ in range(warmup):
         fn()
-    events = [[torch.cuda.Event(enable_timing=True) for _ in "ab"] for _ in range(repeats)]
+    events = [[cuda.Event(enable_timing=True) for _ in "ab"] for _ in range(repeats)]
     for start, end in events:
         start.record()
         fn()
         end.record()
-    torch.cuda.synchronize()
+    cuda.synchronize()
     return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
@@ -166,9 +140,7 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
     """What a roofline divides by, measured (a datasheet is not what this card and driver give):
     copy bandwidth (bytes read + written per second) and matmul FLOP/s of ``matmul``^3, medians.
     CUDA: bf16, GPU events. CPU: fp32 (bf16 is emulated there), 2048^3 and 256 MiB, wall time."""
-    import torch
-
-    cuda = str(device).startswith("cuda")
+    torch, cuda = sys.modules["torch"], str(device).startswith("cuda")  # torch: the caller's
     dtype = torch.bfloat16 if cuda else torch.float32
     n, nbytes = (matmul, int(copy_gib * GIB)) if cuda else (min(matmul, 2048), 256 << 20)
     src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device).normal_()
@@ -178,17 +150,13 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
     def rate(fn: Callable[[], Any]) -> float:
         return 1 / statistics.median(gpu_seconds(fn) if cuda else seconds(fn, 5))
 
-    return {
-        "copy_bytes_per_s": 2 * src.numel() * src.element_size() * rate(lambda: dst.copy_(src)),
-        "matmul_flops_per_s": 2 * n**3 * rate(lambda: a @ b),
-        "matmul_dtype": str(dtype).removeprefix("torch."),
-        "matmul_n": n,
-    }
+    out = {"copy_bytes_per_s": 2 * src.numel() * src.element_size() * rate(lambda: dst.copy_(src))}
+    out["matmul_flops_per_s"] = 2 * n**3 * rate(lambda: a @ b)
+    return out | {"matmul_dtype": str(dtype).removeprefix("torch."), "matmul_n": n}
 
 
 def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
-    """``fn()`` under torch.profiler (its result returned): the ops by CUDA time, then by self CPU
-    time (launch-bound phases show there), to ``dst``; without a GPU by CPU time alone."""
+    """``fn()`` under torch.profiler: its ops by CUDA, then self CPU time (no GPU: CPU), to dst."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -197,14 +165,10 @@ def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
         out = fn()
         if cuda:
             torch.cuda.synchronize()
-    table, width = prof.key_averages(), 70
-    text = table.table(
-        sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=45, max_name_column_width=width
-    )
+    table, width = prof.key_averages(), {"max_name_column_width": 70}
+    text = table.table(sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=45, **width)
     if cuda:
-        text += "\n\n" + table.table(
-            sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=width
-        )
+        text += "\n\n" + table.table(sort_by="self_cpu_time_total", row_limit=25, **width)
     dst.write_text(text)
     return out
 
@@ -215,11 +179,10 @@ def peak_bytes(device: Any = None, reset: bool = False) -> int:
     process's peak RSS, which a forked child inherits (an exec'd one, :func:`child_json`, not)."""
     if not str(device).startswith("cuda"):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    import torch
-
-    peak = torch.cuda.max_memory_allocated()
+    cuda = sys.modules["torch"].cuda  # a CUDA device: torch is imported
+    peak = cuda.max_memory_allocated()
     if reset:
-        torch.cuda.reset_peak_memory_stats()
+        cuda.reset_peak_memory_stats()
     return peak
 
 
@@ -240,14 +203,12 @@ def nbytes(tensors: Any) -> int:
 
 def state_tensors(optimizer: Any) -> list[Any]:
     """The tensors of an optimizer's state (AdamW's moments and steps)."""
-    import torch
-
-    return [x for s in optimizer.state.values() for x in s.values() if torch.is_tensor(x)]
+    is_tensor = sys.modules["torch"].is_tensor  # an optimizer: torch is imported
+    return [x for s in optimizer.state.values() for x in s.values() if is_tensor(x)]
 
 
 def torch_threads(default: int) -> int:
-    """Set torch's threads to ``OMNI_GRPO_TORCH_THREADS`` (as the trainer reads it), else
-    ``default``: on a shared box more threads than free cores only add barrier waits."""
+    """Torch's threads: ``OMNI_GRPO_TORCH_THREADS`` as the trainer reads it, else ``default``."""
     import torch
 
     n = int(os.environ.get("OMNI_GRPO_TORCH_THREADS") or 0) or default
@@ -270,8 +231,7 @@ def child_json(argv: list[str], check: bool = True, **run: Any) -> dict[str, Any
 
 
 def rerun(*extra: str, check: bool = True, **run: Any) -> dict[str, Any]:
-    """:func:`child_json` of this script's own command line with ``extra`` arguments appended (a
-    hidden option that makes the child measure one side)."""
+    """:func:`child_json` of this script's own command line + ``extra`` (a hidden side option)."""
     return child_json([sys.executable, sys.argv[0], *sys.argv[1:], *extra], check, **run)
 
 
@@ -293,7 +253,11 @@ def versions(*dists: str) -> dict[str, str | None]:
     (None: not installed), read from package metadata: nothing is imported for it."""
     torch = sys.modules.get("torch")
     gpu = torch.cuda.get_device_name() if torch and torch.cuda.is_available() else None
-    out = {"python": platform.python_version(), "git_commit": _git(), "gpu": gpu}
+    out = {"python": platform.python_version(), "git_commit": None, "gpu": gpu}
+    with contextlib.suppress(OSError):
+        dirty = _git("status", "--porcelain", "--untracked-files=no").strip()
+        commit = _git("rev-parse", "--short", "HEAD").strip()
+        out["git_commit"] = (commit + ("+dirty" if dirty else "")) or None
     for dist in ("torch", "transformers", "triton", *dists):
         try:
             out[dist] = metadata.version(dist)
@@ -304,11 +268,5 @@ def versions(*dists: str) -> dict[str, str | None]:
     return out
 
 
-def _git() -> str | None:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True).stdout
-
-    with contextlib.suppress(OSError):
-        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
-        return (git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")) or None
-    return None
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True).stdout

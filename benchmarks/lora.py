@@ -7,10 +7,9 @@ samples/s, peak memory, trainable parameters, optimizer state, and LoRA's ratios
     uv run python benchmarks/lora.py --steps 5 --rank 16
 """
 
-from __future__ import annotations
-
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,37 +39,25 @@ def variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, f
     with harness.timed(backend.device) as t:
         for _ in range(steps):
             backend.step(batch)
-    return {
-        "samples_per_s": sum(len(g) for g in groups) * steps / t.s,
-        "peak_memory_mb": harness.peak_bytes(backend.device) / 2**20,
-        "trainable_params": float(sum(p.numel() for p in backend.params)),
-        "optimizer_state_mb": harness.nbytes(harness.state_tensors(backend.optimizer)) / 2**20,
-    }
+    out = {"samples_per_s": sum(len(g) for g in groups) * steps / t.s}
+    out["peak_memory_mb"] = harness.peak_bytes(backend.device) / 2**20
+    out["trainable_params"] = float(sum(p.numel() for p in backend.params))
+    out["optimizer_state_mb"] = harness.nbytes(harness.state_tensors(backend.optimizer)) / 2**20
+    return out
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, steps=5, rank=16, device=("cpu", "cuda", "auto"))
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant is not None:  # a child: one variant, one JSON line
         print(json.dumps(variant(json.loads(args.variant), args.steps, args.device)))
-        return
+        sys.exit()
     lora = {"rank": args.rank, "alpha": 2 * args.rank}
     lora["targets"] = ["attention", "experts", "visual", "lm_head"]
     full, adapted = (harness.rerun("--variant", json.dumps(v)) for v in (None, lora))
-    record = {
-        "benchmark": "lora_vs_full",
-        "device": args.device,
-        "steps": args.steps,
-        "lora": lora,
-        "full": full,
-        "lora_run": adapted,
-        "samples_per_s_ratio": adapted["samples_per_s"] / full["samples_per_s"],
-        "peak_memory_ratio": adapted["peak_memory_mb"] / full["peak_memory_mb"],
-        "trainable_params_ratio": adapted["trainable_params"] / full["trainable_params"],
-    }
+    record = {"benchmark": "lora_vs_full", "device": args.device, "steps": args.steps, "lora": lora}
+    record |= {"full": full, "lora_run": adapted}
+    for key in ("samples_per_s", "peak_memory_mb", "trainable_params"):
+        record[f"{key.removesuffix('_mb')}_ratio"] = adapted[key] / full[key]
     harness.emit("lora", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

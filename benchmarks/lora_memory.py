@@ -1,16 +1,13 @@
 """The one-GPU memory model of LoRA GRPO on the Qwen3-Omni thinker: measured per depth, fitted per
 layer, projected to the released 48 text layers and checked against a run at the deepest depth
-that fits (``--deep``, else ``--deep-fallback``). Each depth in its own process (``thinker_rig``);
-the method: docs/one-gpu-lora.md, "The memory model (measured)".
+that fits (``--deep``, else ``--deep-fallback``). Each depth in its own process (``thinker_rig``),
+with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set otherwise; the method:
+docs/one-gpu-lora.md, "The memory model (measured)".
 
     python benchmarks/lora_memory.py --work /tmp/lm                       # H200: 2,4,8 + 48
     python benchmarks/lora_memory.py --device cpu --widths tiny --layers 1,2 --deep 3 \\
         --prompts 2 --group 2 --max-new-tokens 4 --image-size 64 --steps 1  # CPU smoke run
-
-Children run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set otherwise.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -26,27 +23,21 @@ import harness
 import released
 import thinker_rig as rig
 import torch
-
-GIB = 1 << 30
+from omni_grpo.config import DataConfig, LoraConfig
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.types import GRPOBatch, SamplingParams
 
 
 def _mem(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
-        return {"max_rss_gib": harness.peak_bytes(device) / GIB}
-    return {
-        "allocated_gib": torch.cuda.max_memory_allocated() / GIB,
-        "reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-    }
+        return {"max_rss_gib": harness.peak_bytes(device) / harness.GIB}
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    return {"allocated_gib": allocated / harness.GIB, "reserved_gib": reserved / harness.GIB}
 
 
 def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     """One depth: build, then ``args.steps`` full GRPO steps; peaks and sizes."""
-    from omni_grpo.config import DataConfig, LoraConfig
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.types import GRPOBatch, SamplingParams
-
-    work = Path(args.work)
-    device = torch.device(args.device)
+    work, device = Path(args.work), torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vl_dir, cfg = rig.vl_dir_at(work / "skeleton", work / f"vl-{layers}", layers, args.widths)
     with harness.timed(device) as build:
@@ -58,25 +49,18 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     # released before the steps (a loaded checkpoint never goes through the init)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / GIB
-
+        after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / harness.GIB
     builder = PromptBuilder(vl_dir, DataConfig(image_max_pixels=args.image_size**2))
-    tok = builder.tokenizer
-    question = "Describe the colours in detail."
-    samples, _ = rig.samples(work, args.prompts, ("image",), args.image_size, question)
-    prompts = [builder.build(s, "/") for s in samples]
-    eos, pad = rig.stop_ids(vl_dir, tok)
+    sized = (args.prompts, ("image",), args.image_size, "Describe the colours in detail.")
+    _, _, prompts = rig.samples(work, builder, *sized)
+    eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
-    ckpt, mb = not args.no_checkpointing, args.group
-    backend = rig.trainer(
-        thinker, device, pad, lora, args.kl_coef, micro_batch_size=mb, gradient_checkpointing=ckpt
-    )
+    ckpt = {"micro_batch_size": args.group, "gradient_checkpointing": not args.no_checkpointing}
+    backend = rig.trainer(thinker, device, pad, lora, args.kl_coef, **ckpt)
     adapters = [p for p in thinker.parameters() if p.requires_grad]
-    engine = rig.engine(thinker, eos, device, tok)
+    engine = rig.engine(thinker, eos, device, builder.tokenizer)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
-    gen_peak: dict[str, float] = {}
-    upd_peak: dict[str, float] = {}
-    steps = []
+    gen_peak, upd_peak, steps = {}, {}, []
     torch.manual_seed(args.seed)
     for _ in range(args.steps):
         harness.peak_bytes(device, reset=True)
@@ -91,36 +75,21 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         row = {"generation_s": round(gen.s, 2), "update_s": round(upd.s, 2)}
         row["new_tokens"] = sum(len(c.token_ids) for gr in groups for c in gr)
         steps.append(row | {k: metrics.get(k) for k in ("skipped_step", "loss", "kl_loss")})
-    out: dict[str, Any] = {
-        "layers": layers,
-        "model_params": model_params,
-        "model_gib": model_bytes / GIB,
-        "adapter_params": sum(p.numel() for p in adapters),
-        "adapter_gib": harness.nbytes(adapters) / GIB,
-        "adamw_state_gib": harness.nbytes(harness.state_tensors(backend.optimizer)) / GIB,
-        "after_build": after_build,
-        "peak_generation": gen_peak,
-        "peak_update": upd_peak,
-        "peak_step": {k: max(gen_peak.get(k, 0.0), upd_peak.get(k, 0.0)) for k in gen_peak},
-        "build_s": round(build.s, 1),
-        "prompt_tokens": [len(p.input_ids) for p in prompts],
-        "steps": steps,
-    }
+    out = {"layers": layers, "model_params": model_params, "model_gib": model_bytes / harness.GIB}
+    out |= {"adapter_params": sum(p.numel() for p in adapters)}
+    out |= {"adapter_gib": harness.nbytes(adapters) / harness.GIB}
+    out["adamw_state_gib"] = harness.nbytes(harness.state_tensors(backend.optimizer)) / harness.GIB
+    out |= {"after_build": after_build, "peak_generation": gen_peak, "peak_update": upd_peak}
+    out["peak_step"] = {k: max(gen_peak.get(k, 0.0), upd_peak.get(k, 0.0)) for k in gen_peak}
+    out |= {"build_s": round(build.s, 1), "prompt_tokens": [len(p.input_ids) for p in prompts]}
+    out["steps"] = steps
     if device.type == "cuda":
-        out["card_total_gib"] = torch.cuda.mem_get_info()[1] / GIB
+        out["card_total_gib"] = torch.cuda.mem_get_info()[1] / harness.GIB
     return out
 
 
-def fit(points: list[tuple[int, float]]) -> dict[str, float]:
-    """Least squares ``peak = intercept + slope * layers``."""
-    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
-    resid = max(abs(intercept + slope * x - y) for x, y in points)
-    return {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
-
-
 def child(layers: int) -> dict[str, Any]:
-    """One depth in its own process (its peak is its own); a failure is recorded, with whether
-    it ran out of memory."""
+    """One depth in its own process (its peak is its own); a failure recorded, OOM or not."""
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t = time.perf_counter()
@@ -135,25 +104,21 @@ def child(layers: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    ap = harness.parser(__doc__, work="/tmp/lora_memory")
-    ap.add_argument("--skeleton", help="dir with an extracted vl/ + audio/ pair")
-    harness.add_options(ap, device="cuda", widths=("real", "tiny"))
-    ap.add_argument("--layers", default="2,4,8", help="fit depths")
-    ap.add_argument("--deep", type=int, default=released.LAYERS, help="0: no deep run")
-    ap.add_argument("--deep-fallback", default="40,32,24", help="tried in order if --deep OOMs")
-    harness.add_options(ap, prompts=8, group=8, max_new_tokens=512, image_size=448)
-    harness.add_options(ap, rank=16, alpha=32.0, targets="attention,experts", kl_coef=0.01)
-    harness.add_options(ap, no_checkpointing=False, steps=2, seed=0)
+if __name__ == "__main__":
+    # --skeleton: a dir with an extracted vl/ + audio/ pair; --layers: the fit's depths; --deep 0:
+    # no deep run; --deep-fallback: the depths tried in order if --deep runs out of memory
+    ap = harness.parser(__doc__, work="/tmp/lora_memory", skeleton=str, device="cuda")
+    harness.add_options(ap, widths=("real", "tiny"), layers="2,4,8", deep=released.LAYERS)
+    harness.add_options(ap, deep_fallback="40,32,24", prompts=8, group=8, max_new_tokens=512)
+    harness.add_options(ap, image_size=448, rank=16, alpha=32.0, targets="attention,experts")
+    harness.add_options(ap, kl_coef=0.01, no_checkpointing=False, steps=2, seed=0)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(4)
     if args.child is not None:
         print(json.dumps(run_depth(args, args.child)), flush=True)
-        return
-
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+        sys.exit()
+    (work := Path(args.work)).mkdir(parents=True, exist_ok=True)
     if not args.skeleton:
         released.make_skeleton(work / "skeleton")
     elif not (work / "skeleton").exists():
@@ -166,9 +131,11 @@ def main() -> None:
     key = "allocated_gib" if args.device == "cuda" else "max_rss_gib"
     if len(ok) >= 2:
         for k in [key, "reserved_gib"] if args.device == "cuda" else [key]:
-            f = fit([(r["layers"], r["peak_step"][k]) for r in ok])
-            f["projected_48_gib"] = f["intercept_gib"] + released.LAYERS * f["per_layer_gib"]
-            models[k] = f
+            points = [(r["layers"], r["peak_step"][k]) for r in ok]  # peak = a + b * layers
+            slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+            resid = max(abs(intercept + slope * x - y) for x, y in points)
+            f = {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
+            models[k] = f | {"projected_48_gib": intercept + released.LAYERS * slope}
     deep: dict[str, Any] | None = None
     if args.deep:
         fallback = [int(x) for x in args.deep_fallback.split(",") if x and int(x) < args.deep]
@@ -180,12 +147,9 @@ def main() -> None:
     if deep is not None and "error" not in deep and models:
         for k, f in models.items():
             projected = f["intercept_gib"] + deep["layers"] * f["per_layer_gib"]
-            comparison[k] = {
-                "layers": deep["layers"],
-                "projected_gib": projected,
-                "measured_gib": deep["peak_step"][k],
-                "measured_over_projected": deep["peak_step"][k] / projected,
-            }
+            m = deep["peak_step"][k]
+            c = {"layers": deep["layers"], "projected_gib": projected, "measured_gib": m}
+            comparison[k] = c | {"measured_over_projected": m / projected}
     config = {k: vars(args)[k] for k in ("widths", "prompts", "group", "max_new_tokens")}
     config |= {"fit_layers": depths, "samples_per_step": args.prompts * args.group}
     config |= {k: vars(args)[k] for k in ("image_size", "kl_coef", "steps")}
@@ -193,18 +157,7 @@ def main() -> None:
     config["gradient_checkpointing"] = not args.no_checkpointing
     config |= {"micro_batch_size": args.group, "dtype": "bf16" if args.device == "cuda" else "fp32"}
     config["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    record = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "config": config,
-        "fit": models,
-        "deep": comparison,
-        "runs": runs,
-        "deep_run": deep,
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "versions": harness.versions("peft"),
-    }
+    record = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    record |= {"config": config, "fit": models, "deep": comparison, "runs": runs, "deep_run": deep}
+    record |= {"wall_s": round(time.perf_counter() - t0, 1), "versions": harness.versions("peft")}
     harness.emit("lora_memory", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -9,60 +9,35 @@ LoRA / full ratios of the mean wall and CPU time on the seeds both ran. Minutes 
         [--set algo.kl_type=full ...] [--work DIR]
 """
 
-from __future__ import annotations
-
-import os
 from pathlib import Path
 from typing import Any
 
 import harness
-from demo_seeds import REPO, TARGET, parse_ints, passed, summarise, sweep
+from demo_seeds import REPO, parse_ints, passed, record, summarise, sweep
 
-
-def main() -> None:
+if __name__ == "__main__":
     examples = REPO / "examples"
     ap = harness.parser(__doc__, config=examples / "tiny-lora.yaml", seeds="0-4", threads="1")
     harness.add_options(ap, baseline_config=examples / "tiny.yaml", baseline_seeds="0", work=Path)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="both sides")
     args = ap.parse_args()
     seeds, threads, base_seeds = map(parse_ints, (args.seeds, args.threads, args.baseline_seeds))
-    order = [
-        (kind, s, t)
-        for t in threads
-        for s in seeds
-        for kind in ("lora", "full")
-        if kind == "lora" or s in base_seeds
-    ]
+    order = [(kind, s, t) for t in threads for s in seeds for kind in ("lora", "full")]
+    order = [(kind, s, t) for kind, s, t in order if kind == "lora" or s in base_seeds]
     extra = tuple(args.overrides)
     configs = {"lora": (args.config, extra), "full": (args.baseline_config, extra)}
     runs, interrupted = sweep(order, configs, args.work)
     by_threads: dict[str, Any] = {}
     for t in threads:
-        lora = [r for r in runs["lora"] if r["threads"] == t]
-        full = [r for r in runs["full"] if r["threads"] == t]
+        lora, full = ([r for r in kind if r["threads"] == t] for kind in runs.values())
         entry: dict[str, Any] = {"lora_pass": passed(lora), "full_pass": passed(full)}
         # the ratio on the seeds both ran (same seed, same thread count, adjacent in time)
         paired = {r["seed"] for r in full} & {r["seed"] for r in lora}
         for key in ("wall_s", "cpu_s"):
-            a = summarise([r for r in lora if r["seed"] in paired], key)
-            b = summarise([r for r in full if r["seed"] in paired], key)
+            a, b = (summarise([r for r in rs if r["seed"] in paired], key) for rs in (lora, full))
             entry[f"lora_{key}_mean"], entry[f"full_{key}_mean"] = a, b
             entry[f"{key}_ratio_lora_over_full"] = round(a / b, 3) if a and b else None
         by_threads[str(t)] = entry
-    record = {
-        "config": str(args.config),
-        "baseline_config": str(args.baseline_config),
-        "overrides": args.overrides,
-        "cpus": os.cpu_count(),
-        "target": TARGET,
-        "interrupted": interrupted,
-        "planned_runs": len(order),
-        "all_pass": bool(runs["lora"]) and all(r.get("pass") for r in runs["lora"]),
-        "by_threads": by_threads,
-        "runs": runs,
-    }
-    harness.emit("lora_seeds", record, args.save)
-
-
-if __name__ == "__main__":
-    main()
+    facts = {"baseline_config": str(args.baseline_config), "overrides": args.overrides}
+    out = record(args, order, runs, interrupted, **facts)
+    harness.emit("lora_seeds", out | {"by_threads": by_threads, "runs": runs}, args.save)

@@ -8,8 +8,6 @@ second GPU against one raw NCCL broadcast of the same bytes (docs/benchmarks.md,
     python benchmarks/megatron_step.py [--layers 4 --batch 4 --seq 2048]
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import statistics
@@ -19,15 +17,14 @@ import harness
 import roofline
 import torch
 from released import ROPE, TEXT, VOCAB
+from torch.profiler import ProfilerActivity, profile
 
 REAL = TEXT | {"norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6}
 REAL |= {"max_position_embeddings": 65536, "rope_parameters": ROPE}
 PEAK_BF16 = 989e12
 
 
-def time_step(
-    th: Any, ids: torch.Tensor, pos: torch.Tensor, iters: int, warmup: int, loss: str
-) -> list[float]:
+def time_step(th: Any, ids: Any, pos: Any, iters: int, warmup: int, loss: str) -> list[float]:
     """Seconds of each forward + logprob loss + backward after ``warmup`` untimed ones."""
     from omni_grpo.algo import token_logprobs_from_logits
     from omni_grpo.backends.megatron.vocab_parallel import vocab_parallel_logprobs
@@ -50,19 +47,7 @@ def time_step(
     return times
 
 
-def profile_step(th: Any, ids: torch.Tensor, pos: torch.Tensor, loss: str) -> dict[str, float]:
-    """CUDA time per kernel name over one step (top 15): where the step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time_step(th, ids, pos, 1, warmup=0, loss=loss)
-    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
-    return {e.key[:90]: round(getattr(e, "device_time_total", 0) / 1e3, 2) for e in rows[:15]}
-
-
-def bench_step(
-    args: argparse.Namespace, impl: str, device: torch.device
-) -> tuple[dict, dict | None]:
+def bench_step(args: argparse.Namespace, impl: str, device: torch.device) -> tuple:
     from omni_grpo.backends.megatron import model as mm
     from omni_grpo.backends.megatron.config_map import megatron_model_args
     from omni_grpo.config import MegatronConfig
@@ -80,19 +65,17 @@ def bench_step(
     med, tokens = statistics.median(times), args.batch * args.seq
     sizes = roofline.text_sizes({"text_config": cfg}, 0, [])  # causal attention, all logits
     flops = 3 * roofline.forward_flops(sizes, [args.seq] * args.batch, tokens)
-    out = {
-        "experts": impl,
-        "loss": args.loss,
-        "step_s_median": med,
-        "step_s_all": times,
-        "tokens_per_s": tokens / med,
-        "model_tflops": flops / med / 1e12,
-        "mfu_vs_989": flops / med / PEAK_BF16,
-        "peak_mem_gib": harness.peak_bytes(device) / harness.GIB,
-        "params": sum(p.numel() for p in lm.parameters()),
-    }
-    if args.profile and impl == "grouped":
-        out["top_kernels_ms"] = profile_step(th, ids, pos, args.loss)
+    out = {"experts": impl, "loss": args.loss, "step_s_median": med, "step_s_all": times}
+    out |= {"tokens_per_s": tokens / med, "model_tflops": flops / med / 1e12}
+    out |= {"mfu_vs_989": flops / med / PEAK_BF16}
+    out["peak_mem_gib"] = harness.peak_bytes(device) / harness.GIB
+    out["params"] = sum(p.numel() for p in lm.parameters())
+    if args.profile and impl == "grouped":  # CUDA time per kernel name over one step (top 15)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            time_step(th, ids, pos, 1, warmup=0, loss=args.loss)
+        rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
+        ms = {e.key[:90]: round(getattr(e, "device_time_total", 0) / 1e3, 2) for e in rows[:15]}
+        out["top_kernels_ms"] = ms
     state = {"lm": lm, "th": th, "args": margs} if impl == "grouped" else None
     del lm, th
     torch.cuda.empty_cache()
@@ -108,50 +91,41 @@ def bench_sync(state: Any, device: torch.device, bucket_mb: int) -> dict[str, An
     store = host_store("127.0.0.1", 2, 600)
     rounds = 4  # warm-up sync, timed sync, warm-up raw, timed raw
     proc = start_receiver(store.port, "cuda:1", None, rounds, "omni_grpo_bench")
-    group = build_group(
-        store, group_name="omni_grpo_bench", world_size=2, rank=0, backend="nccl", timeout_s=600
-    )
+    kw = {"group_name": "omni_grpo_bench", "world_size": 2, "rank": 0, "backend": "nccl"}
+    group = build_group(store, **kw, timeout_s=600)
     lm, margs, bucket = state["lm"], state["args"], bucket_mb << 20
     warm = push_to_receiver(group, store, export_hf_weights(lm, margs), 0, bucket, device)
     timed = push_to_receiver(group, store, export_hf_weights(lm, margs), 1, bucket, device)
     raw_broadcast(group, store, timed["bytes"], device, 2)
     raw = raw_broadcast(group, store, timed["bytes"], device, 3)
     proc.wait(timeout=300)
-    return {k: timed[k] for k in ("bytes", "tensors", "buckets")} | {
-        "bucket_mb": bucket_mb,
-        "sync_s": timed["seconds"],
-        "sync_gbps": timed["bytes"] / timed["seconds"] / 1e9,
-        "raw_broadcast_s": raw,
-        "raw_gbps": timed["bytes"] / raw / 1e9,
-        "sync_vs_raw": raw / timed["seconds"],
-        "warmup_sync_s": warm["seconds"],
-        "receiver_tensors": timed["receiver"]["tensors"],
-    }
+    out = {k: timed[k] for k in ("bytes", "tensors", "buckets")} | {"bucket_mb": bucket_mb}
+    sync_s, nbytes = timed["seconds"], timed["bytes"]
+    out |= {"sync_s": sync_s, "sync_gbps": nbytes / sync_s / 1e9, "raw_broadcast_s": raw}
+    out |= {"raw_gbps": nbytes / raw / 1e9, "sync_vs_raw": raw / sync_s}
+    out |= {"warmup_sync_s": warm["seconds"]}
+    return out | {"receiver_tensors": timed["receiver"]["tensors"]}
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, layers=4, batch=4, seq=2048, iters=6, bucket_mb=512)
     # --profile: a CUDA time per kernel of one grouped step; --big-batch 0: no big-batch run
     harness.add_options(ap, no_sync=False, profile=False, big_batch=8)
     harness.add_options(ap, loss=("vocab_parallel", "chunked"))
     args = ap.parse_args()
-    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ |= {k: os.environ.get(k, "0") for k in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")}
     from omni_grpo.backends.megatron.model import init_parallel
     from omni_grpo.config import MegatronConfig
 
     init_parallel(MegatronConfig())
     device = torch.device("cuda", torch.cuda.current_device())
     limits = harness.device_limits(device)
-    result: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(device),
-        "config": {k: vars(args)[k] for k in ("layers", "batch", "seq")}
-        | {"hidden": TEXT["hidden_size"], "expert_ffn": TEXT["moe_intermediate_size"]}
-        | {"experts": f"{TEXT['num_experts']} top-{TEXT['num_experts_per_tok']}"}
-        | {"vocab": VOCAB, "dtype": "bf16"},
-        "matmul_8192_tflops": limits["matmul_flops_per_s"] / 1e12,
-        "limits": limits,
-    }
+    config = {k: vars(args)[k] for k in ("layers", "batch", "seq")}
+    config |= {"hidden": TEXT["hidden_size"], "expert_ffn": TEXT["moe_intermediate_size"]}
+    config |= {"experts": f"{TEXT['num_experts']} top-{TEXT['num_experts_per_tok']}"}
+    config |= {"vocab": VOCAB, "dtype": "bf16"}
+    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device), "config": config}
+    result |= {"matmul_8192_tflops": limits["matmul_flops_per_s"] / 1e12, "limits": limits}
     torch.cuda.empty_cache()  # the limits' buffers are no step's
     harness.peak_bytes(device, reset=True)
     seq, _ = bench_step(args, "sequential", device)
@@ -167,7 +141,3 @@ def main() -> None:
         big = argparse.Namespace(**{**vars(args), "batch": args.big_batch})
         result[f"grouped_batch{args.big_batch}"], _ = bench_step(big, "grouped", device)
     harness.emit("megatron_step", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

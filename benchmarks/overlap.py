@@ -6,8 +6,6 @@ on-policy loop (``0``) on ``examples/tiny.yaml``, per pair: ``sglang``, ``sglang
         [--work DIR] [--set trainer.device=cuda ...]
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import subprocess
@@ -20,16 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from omni_grpo.config import load_config
+from omni_grpo.testing.interrupts import actor_pid
+from omni_grpo.trainer import prepare_model, train
 
 TOKENS_PER_SAMPLE = 2  # a letter and <|im_end|> (the fake's letter answers)
 RAY_PROBE_TOKENS = (3, 12)  # the recipe's answer budget, and a longer one (ray pair calibration)
 RAY_MAX_TOKENS = 64
-PHASES = {  # metrics.jsonl key -> name in the output
-    "time/step_s": "step",
-    "time/rollout_s": "rollout",
-    "time/train_s": "train",
-    "weight_sync/seconds": "sync",
-}
+PHASES = {"time/step_s": "step", "time/rollout_s": "rollout", "time/train_s": "train"}
+PHASES["weight_sync/seconds"] = "sync"  # metrics.jsonl key -> name in the output
 EXTRA = ("staleness/mean", "train_rollout_logprob_abs_diff")
 SGLANG = ["rollout.engine=sglang-omni", "rollout.sglang.sync_mode=disk"]
 TIS = "algo.tis={enabled: true, mode: truncate, clip_high: 2.0}"
@@ -37,8 +34,6 @@ TIS = "algo.tis={enabled: true, mode: truncate, clip_high: 2.0}"
 
 def recipe(config: str, run_dir: Path, steps: int, overrides: list[str]) -> Any:
     """``examples/<config>`` in ``run_dir`` with the shared tiny model: no saves, plots or eval."""
-    from omni_grpo.config import load_config
-
     model = run_dir.parent / "model"
     sets = [f"run.dir={run_dir}", f"run.steps={steps}", "run.plots=false", "run.save_every=0"]
     sets += ["run.tensorboard=false", "trainer.warmup=null", "eval.every=0"]
@@ -48,10 +43,7 @@ def recipe(config: str, run_dir: Path, steps: int, overrides: list[str]) -> Any:
 
 
 def run(config: str, run_dir: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
-    """One training run: samples/s and the mean of each phase (``steady``: without step 1,
-    which no run can overlap)."""
-    from omni_grpo.trainer import train
-
+    """One training run: samples/s and each phase's mean (``steady``: without step 1)."""
     cfg = recipe(config, run_dir, steps, overrides)
     train(cfg, progress=False)
     records = [r for r in harness.train_metrics(run_dir) if r["step"] > 0]
@@ -61,19 +53,15 @@ def run(config: str, run_dir: Path, steps: int, overrides: list[str]) -> dict[st
         return round(samples * len(rows) / sum(r["time/step_s"] for r in rows), 3)
 
     steady = harness.means(records[1:], PHASES)
-    return {
-        "samples_per_s": rate(records),
-        "steady_samples_per_s": rate(records[1:]),
-        "phases_s": {name: steady.get(k, float("nan")) for k, name in PHASES.items()},
-        **harness.means(records, EXTRA),
-    }
+    out = {"samples_per_s": rate(records), "steady_samples_per_s": rate(records[1:])}
+    out["phases_s"] = {name: steady.get(k, float("nan")) for k, name in PHASES.items()}
+    return out | harness.means(records, EXTRA)
 
 
 @contextlib.contextmanager
 def fake_server(work: Path, delay: float) -> Iterator[str]:
-    """The fake sglang-omni server (``omni_grpo.testing.fake_server``: real HTTP, the 0.1.9
-    contract) as its own process, as a real server would be: its request handling shares no GIL
-    with the trainer, only the machine's cores. Yields its URL."""
+    """The fake sglang-omni server (real HTTP, the 0.1.9 contract) in its own process, as a real
+    one: its request handling shares no GIL with the trainer, only the cores. Yields its URL."""
     cmd = [sys.executable, "-m", "omni_grpo.testing.fake_server", "--token-delay-s", str(delay)]
     cmd += ["--model-path", str(work / "model" / "omni")]
     with open(work / "fake_server.log", "ab") as log:
@@ -93,7 +81,6 @@ def sglang_pair(work: Path, steps: int, extra: list[str], measure: bool = True) 
     rollout (fixed cost + generation) takes one train step: a probe run measures the train step
     and the rollout's fixed cost, a second short run checks the choice and moves the delay by the
     gap left (the fake's requests overlap each other and the client's decoding)."""
-    from omni_grpo.trainer import prepare_model
 
     def sets(name: str, url: str, staleness: int) -> list[str]:
         out = [f"rollout.sglang.urls=[{url}]", f"rollout.sglang.sync_dir={work / name / 'sync'}"]
@@ -112,16 +99,11 @@ def sglang_pair(work: Path, steps: int, extra: list[str], measure: bool = True) 
     with fake_server(work, delay) as url:
         check = on("calibrate-2", url, 0, 4)["phases_s"]
     delay = max(0.0, delay + (check["train"] - check["rollout"]) / TOKENS_PER_SAMPLE)
-    out: dict[str, Any] = {
-        "token_delay_s": round(delay, 4),
-        "calibration": {
-            "train_s": probe["train"],
-            "rollout_fixed_s": round(fixed_s, 4),
-            "fixed_exceeds_train": fixed_s > probe["train"],
-            "first_token_delay_s": round(first, 4),
-            "first_rollout_over_train": round(check["rollout"] / check["train"], 3),
-        },
-    }
+    calibration = {"train_s": probe["train"], "rollout_fixed_s": round(fixed_s, 4)}
+    calibration["fixed_exceeds_train"] = fixed_s > probe["train"]
+    calibration["first_token_delay_s"] = round(first, 4)
+    calibration["first_rollout_over_train"] = round(check["rollout"] / check["train"], 3)
+    out: dict[str, Any] = {"token_delay_s": round(delay, 4), "calibration": calibration}
     for staleness in (0, 1) if measure else ():
         with fake_server(work, delay) as url:
             out[f"max_staleness_{staleness}"] = on(f"staleness-{staleness}", url, staleness, steps)
@@ -133,8 +115,6 @@ def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
     """Core 0 for the trainer actor, the other cores for everything else (this driver, the fake,
     Ray's processes inherit this affinity): what separate hardware gives a real run; unpinned, on
     2 cores, the ratio is bimodal with where the scheduler puts the trainer. Linux only."""
-    from omni_grpo.testing.interrupts import actor_pid
-
     everything = os.sched_getaffinity(0)
     os.sched_setaffinity(0, everything - {0})
     done = threading.Event()
@@ -156,35 +136,26 @@ def trainer_on_its_own_core(run_dir: Path) -> Iterator[None]:
         os.sched_setaffinity(0, everything)
 
 
-def sglang_actor_pair(
-    work: Path, steps: int, delay: float, extra: list[str], pin: bool = False
-) -> dict[str, Any]:
-    """The sglang pair's engine, fake and delay with the trainer as ONE Ray actor
-    (``trainer.world_size: 1`` + a launched fake server: the scale path's topology), where the
-    client's HTTP work no longer shares a GIL with training."""
+def sglang_actor_pair(work: Path, steps: int, delay: float, extra: list, pin: bool = False) -> dict:
+    """The sglang pair with the trainer as ONE Ray actor and a launched fake (the scale path's
+    topology): the client's HTTP work no longer shares a GIL with training."""
     out: dict[str, Any] = {"token_delay_s": round(delay, 4), "trainer_pinned": pin}
-    launch = (
-        "{servers: 1, kind: fake, gpus_per_server: 0, cpus_per_server: 0.5, "
-        f"extra_args: [--token-delay-s, '{delay}']}}"
-    )
+    launch = "{servers: 1, kind: fake, gpus_per_server: 0, cpus_per_server: 0.5, "
+    launch += f"extra_args: [--token-delay-s, '{delay}']}}"
     for staleness in (0, 1):
         name = f"sglang-actor{'-pinned' if pin else ''}-{staleness}"
-        sets = [
-            f"rollout.sglang.launch={launch}",
-            f"rollout.sglang.sync_dir={work / name / 'sync'}",
-        ]
-        sets += [f"rollout.max_staleness={staleness}", TIS, "ray.cpus_per_trainer=0.5", *extra]
+        sync = f"rollout.sglang.sync_dir={work / name / 'sync'}"
+        sets = [f"rollout.sglang.launch={launch}", sync, f"rollout.max_staleness={staleness}", TIS]
+        sets += ["ray.cpus_per_trainer=0.5", *extra]
         with trainer_on_its_own_core(work / name) if pin else contextlib.nullcontext():
             out[f"max_staleness_{staleness}"] = run("tiny.yaml", work / name, steps, SGLANG + sets)
     return out
 
 
 def ray_pair(work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
-    """The embedded rollout actors, their answer budget CHOSEN so that the on-policy rollout
-    takes one train step (on the recipe's <= 3 tokens it is about half of it: overlap could win
-    ~1.45x at most). Two short on-policy runs at two budgets give the rollout's fixed cost and
-    its cost per token (the random policy's answers run to the budget). One trainer rank, one
-    rollout actor."""
+    """One trainer rank and one embedded rollout actor, the answer budget CHOSEN so that the
+    on-policy rollout takes one train step (on the recipe's <= 3 tokens it is half of it: overlap
+    could win ~1.45x at most): two short runs at two budgets give its fixed and per-token cost."""
     trainers = actors = 1
 
     def on(name: str, staleness: int, n: int, tokens: int) -> dict[str, Any]:
@@ -199,17 +170,11 @@ def ray_pair(work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
     train_s = (probe_short["train"] + probe_long["train"]) / 2
     tokens = int(round(short + (train_s - probe_short["rollout"]) / per_token))
     tokens = max(1, min(RAY_MAX_TOKENS, tokens))
-    out: dict[str, Any] = {
-        "trainer_ranks": trainers,
-        "rollout_actors": actors,
-        "max_new_tokens": tokens,
-        "calibration": {
-            "recipe_max_new_tokens": short,
-            "recipe_rollout_over_train": round(probe_short["rollout"] / probe_short["train"], 3),
-            "rollout_s_per_token": round(per_token, 4),
-            "train_s": round(train_s, 4),
-        },
-    }
+    ratio = probe_short["rollout"] / probe_short["train"]
+    calibration = {"recipe_max_new_tokens": short, "recipe_rollout_over_train": round(ratio, 3)}
+    calibration |= {"rollout_s_per_token": round(per_token, 4), "train_s": round(train_s, 4)}
+    out = {"trainer_ranks": trainers, "rollout_actors": actors, "max_new_tokens": tokens}
+    out["calibration"] = calibration
     for staleness in (0, 1):
         out[f"max_staleness_{staleness}"] = on(f"ray-{staleness}", staleness, steps, tokens)
     return out
@@ -221,15 +186,13 @@ def ratios(pair: dict[str, Any]) -> dict[str, Any]:
     zero, one = pair["max_staleness_0"], pair["max_staleness_1"]
     p = zero["phases_s"]
     ideal = p["step"] / (p["step"] - min(p["rollout"], p["train"]))
-    return {
-        "ratio": round(one["samples_per_s"] / zero["samples_per_s"], 3),
-        "steady_ratio": round(one["steady_samples_per_s"] / zero["steady_samples_per_s"], 3),
-        "rollout_over_train": round(p["rollout"] / p["train"], 3),
-        "ideal_steady_ratio": round(ideal, 3),
-    } | pair
+    out = {"ratio": round(one["samples_per_s"] / zero["samples_per_s"], 3)}
+    out["steady_ratio"] = round(one["steady_samples_per_s"] / zero["steady_samples_per_s"], 3)
+    out["rollout_over_train"] = round(p["rollout"] / p["train"], 3)
+    return out | {"ideal_steady_ratio": round(ideal, 3)} | pair
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, steps=24, pairs="sglang,sglang_trainer_actor,ray", work=Path)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="for every run")
     args = ap.parse_args()
@@ -251,17 +214,9 @@ def main() -> None:
         prefix = "" if pair == "sglang" else pair + "_"
         for key in ("ratio", "steady_ratio"):
             result[prefix + key] = result.get(pair, {}).get(key)
-    result |= {
-        "target_ratio": 1.6,
-        "limit_ratio": 2.0,
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "cpus": os.cpu_count(),
-        "load_avg_before": load_before,
-        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
-        "torch_threads": int(os.environ["OMNI_GRPO_TORCH_THREADS"]),
-    }
+    result |= {"target_ratio": 1.6, "limit_ratio": 2.0}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result |= {"cpus": os.cpu_count(), "load_avg_before": load_before}
+    result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    result["torch_threads"] = int(os.environ["OMNI_GRPO_TORCH_THREADS"])
     harness.emit("overlap", result, args.save)
-
-
-if __name__ == "__main__":
-    main()

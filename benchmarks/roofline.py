@@ -6,40 +6,28 @@ matmuls. Sizes come from the checkpoint's config so that the same model serves e
 width; ``harness.device_limits`` gives the rates they are divided by.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 
 def text_sizes(cfg: dict[str, Any], lora_rank: int, targets: list[str]) -> dict[str, float]:
     """Parameter counts of the text model, per kind (what a token reads and computes)."""
     t = cfg["text_config"]
-    h, heads, kvh, hd = (
-        t[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-    )
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    h, heads, kvh, hd = (t[k] for k in keys)
     e, k, ffn = t["num_experts"], t["num_experts_per_tok"], t["moe_intermediate_size"]
     vocab, layers = t["vocab_size"], t["num_hidden_layers"]
     attn = h * heads * hd * 2 + h * kvh * hd * 2
-    expert = 3 * ffn * h
-    r = lora_rank
+    expert, r = 3 * ffn * h, lora_rank
     attn_lora = r * (2 * h + heads * hd) * 2 + r * (h + kvh * hd) * 2
     expert_lora = r * (h + 2 * ffn) + r * (ffn + h)  # per expert
-    return {
-        "layers": layers,
-        "hidden": h,
-        "experts": e,
-        "top_k": k,
-        "kv_bytes_per_token_layer": 2 * kvh * hd * 2,
-        "dense_per_layer": attn + e * h + 2 * h + 2 * hd,  # attention, router, norms
-        "expert_params": expert,
-        "lm_head": vocab * h,
-        "attn_lora_per_layer": attn_lora if "attention" in targets else 0,
-        "expert_lora_params": expert_lora if "experts" in targets else 0,
-        "active_per_token": layers * (attn + e * h + k * expert) + vocab * h,
-        "attn_per_layer": attn,
-        "heads": heads,
-        "head_dim": hd,
-    }
+    out = {"layers": layers, "hidden": h, "experts": e, "top_k": k}
+    out["kv_bytes_per_token_layer"] = 2 * kvh * hd * 2
+    out["dense_per_layer"] = attn + e * h + 2 * h + 2 * hd  # attention, router, norms
+    out |= {"expert_params": expert, "lm_head": vocab * h}
+    out["attn_lora_per_layer"] = attn_lora if "attention" in targets else 0
+    out["expert_lora_params"] = expert_lora if "experts" in targets else 0
+    out["active_per_token"] = layers * (attn + e * h + k * expert) + vocab * h
+    return out | {"attn_per_layer": attn, "heads": heads, "head_dim": hd}
 
 
 def decode_step_bytes(s: dict[str, float], rows: int, kv_len_sum: int) -> float:
@@ -71,15 +59,11 @@ def attention_flops(s: dict[str, float], seq_lens: list[int]) -> float:
 
 def forward_flops(s: dict[str, float], seq_lens: list[int], logits_tokens: int) -> float:
     """Forward FLOPs of the text model over sequences (matmuls + causal attention scores)."""
-    per_token = 2 * (s["active_per_token"] - s["lm_head"])
-    return (
-        per_token * sum(seq_lens) + attention_flops(s, seq_lens) + 2 * s["lm_head"] * logits_tokens
-    )
+    per_token, attention = 2 * (s["active_per_token"] - s["lm_head"]), attention_flops(s, seq_lens)
+    return per_token * sum(seq_lens) + attention + 2 * s["lm_head"] * logits_tokens
 
 
-def recompute_flops(
-    s: dict[str, float], seq_lens: list[int], logits_tokens: int, policy: str
-) -> float:
+def recompute_flops(s: dict, seq_lens: list[int], logits_tokens: int, policy: str) -> float:
     """FLOPs the backward's recompute runs: the decoder layers' forward (the LM head is outside
     them); ``selective`` keeps the attention's products (projections and core) instead."""
     flops = forward_flops(s, seq_lens, logits_tokens) - 2 * s["lm_head"] * logits_tokens

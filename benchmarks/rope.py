@@ -8,9 +8,8 @@ nothing from intra-op threads on a shared box (``--threads 0``: torch's default)
     uv run python benchmarks/rope.py [--repeats 40] [--device cpu|cuda] [--threads N]
 """
 
-from __future__ import annotations
-
 import statistics
+from functools import partial
 
 import harness
 import torch
@@ -24,11 +23,16 @@ GRID = (FRAMES // TEMPORAL_PATCH, 16, 16)  # patches; 8x8 after the 2x2 merge
 MEL_FRAMES = int(FRAMES / FPS * 100)  # 16 kHz audio, hop 160: 100 mel frames a second
 
 
-def build_batch(config: OmniRopeConfig, batch: int, device: str) -> tuple[torch.Tensor, ...]:
-    spg = TEMPORAL_PATCH / FPS
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(batch):
+if __name__ == "__main__":
+    args = harness.parser(__doc__, repeats=40, batch=8, device="cpu", threads=1).parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    omni = build_config(TinyOmniSpec(), REAL_IDS, vocab_size=1024)
+    config = OmniRopeConfig.from_omni_config(omni)
+    reference = Qwen3OmniMoeThinkerForConditionalGeneration(omni.thinker_config).eval()
+    spg, batch = TEMPORAL_PATCH / FPS, args.batch
+    gen, rows = torch.Generator().manual_seed(0), []
+    for i in range(batch):  # each row: text, a 32-frame video with its soundtrack, text
         prefix = torch.randint(0, 5000, (20 + 7 * i,), generator=gen)
         suffix = torch.randint(0, 5000, (30 + 3 * i,), generator=gen)
         seg = audio_in_video_segment_ids(config, GRID, spg, MEL_FRAMES)
@@ -36,29 +40,14 @@ def build_batch(config: OmniRopeConfig, batch: int, device: str) -> tuple[torch.
     width = max(len(r) for r in rows)
     ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
+    for i, r in enumerate(rows):  # left-padded
         ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
     grids, spgs = torch.tensor([GRID] * batch), torch.full((batch,), spg)
-    frames = torch.full((batch,), MEL_FRAMES)
-    return tuple(t.to(device) for t in (ids, mask, grids, spgs, frames))
-
-
-def main() -> None:
-    args = harness.parser(__doc__, repeats=40, batch=8, device="cpu", threads=1).parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    omni = build_config(TinyOmniSpec(), REAL_IDS, vocab_size=1024)
-    config = OmniRopeConfig.from_omni_config(omni)
-    reference = Qwen3OmniMoeThinkerForConditionalGeneration(omni.thinker_config).eval()
-    ids, mask, grids, spgs, frames = build_batch(config, args.batch, args.device)
-
-    def ours() -> tuple[torch.Tensor, torch.Tensor]:
-        kw = {"video_grid_thw": grids, "second_per_grids": spgs, "audio_seqlens": frames}
-        return get_rope_index(ids, mask, config, **kw, use_audio_in_video=True)
-
-    def ref() -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.get_rope_index(ids, None, grids, mask, True, frames, spgs)
-
+    batch_tensors = (ids, mask, grids, spgs, torch.full((batch,), MEL_FRAMES))
+    ids, mask, grids, spgs, frames = (t.to(args.device) for t in batch_tensors)
+    kw = {"video_grid_thw": grids, "second_per_grids": spgs, "audio_seqlens": frames}
+    ours = partial(get_rope_index, ids, mask, config, **kw, use_audio_in_video=True)
+    ref = partial(reference.get_rope_index, ids, None, grids, mask, True, frames, spgs)
     t_ours = harness.seconds(ours, args.repeats, args.device)
     t_ref = harness.seconds(ref, max(5, args.repeats // 4), args.device)
     (pos, delta), (rpos, rdelta) = ours(), ref()
@@ -74,23 +63,14 @@ def main() -> None:
         core.HOST_MAX_TOKENS = saved
         assert torch.equal(dpos, rpos) and torch.equal(ddelta, rdelta), "on-device results differ"
         extra = {"omni_rope_on_device_ms": round(min(t_dev) * 1e3, 3)}
-    best, med = (min(t_ours), min(t_ref)), (statistics.median(t_ours), statistics.median(t_ref))
     record = {"device": args.device, "torch_threads": torch.get_num_threads(), "batch": args.batch}
-    record |= {
-        "seq_len": ids.shape[1],
-        "video_tokens_per_row": int((ids[0] == config.video_token_id).sum()),
-        "audio_tokens_per_row": int((ids[0] == config.audio_token_id).sum()),
-        "omni_rope_ms": round(best[0] * 1e3, 3),
-        "reference_ms": round(best[1] * 1e3, 3),
-        "speedup": round(best[1] / best[0], 1),
-        "omni_rope_median_ms": round(med[0] * 1e3, 3),
-        "reference_median_ms": round(med[1] * 1e3, 3),
-        "speedup_median": round(med[1] / med[0], 1),
-        "identical": True,
-        **extra,
-    }
+    record["seq_len"] = ids.shape[1]
+    for kind in ("video", "audio"):
+        token = getattr(config, f"{kind}_token_id")
+        record[f"{kind}_tokens_per_row"] = int((ids[0] == token).sum())
+    for tag, stat in (("", min), ("_median", statistics.median)):
+        ms = [stat(t_ours) * 1e3, stat(t_ref) * 1e3]
+        record |= {f"omni_rope{tag}_ms": round(ms[0], 3), f"reference{tag}_ms": round(ms[1], 3)}
+        record[f"speedup{tag}"] = round(ms[1] / ms[0], 1)
+    record |= {"identical": True, **extra}
     harness.emit("rope", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -7,8 +7,6 @@ get the same tensors; the max logit difference is reported, then each forward is
     uv run python benchmarks/thinker_forward.py [--repeats 20] [--device cpu|cuda] [--threads 1]
 """
 
-from __future__ import annotations
-
 import json
 import statistics
 import tempfile
@@ -23,16 +21,7 @@ from omni_grpo.models import load_thinker
 from omni_grpo.testing.models import Ids, build_batch
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
-
-def samples(batch: int) -> list[list[tuple]]:
-    txt, image, av = [5, 6, 7, 8, 9], ("image", (1, 8, 8)), ("av", (4, 8, 8), 1.0, 300)
-    return [
-        [("text", txt * (1 + i % 3)), image, ("audio", 400 + 50 * i), av, ("text", txt)]
-        for i in range(batch)
-    ]
-
-
-def main() -> None:
+if __name__ == "__main__":
     args = harness.parser(__doc__, repeats=20, batch=8, device="cpu", threads=1).parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -46,7 +35,12 @@ def main() -> None:
         thinker = load_thinker(root / "vl", dtype="float32", device=args.device)
         side = json.loads((root / "vl" / "config.json").read_text())["omni_sideband"]
         pad = json.loads((root / "vl" / "generation_config.json").read_text())["pad_token_id"]
-        batch = build_batch(samples(args.batch), Ids.from_sideband(side, pad), "left")
+        txt, image, av = [5, 6, 7, 8, 9], ("image", (1, 8, 8)), ("av", (4, 8, 8), 1.0, 300)
+        rows = [
+            [("text", txt * (1 + i % 3)), image, ("audio", 400 + 50 * i), av, ("text", txt)]
+            for i in range(args.batch)
+        ]
+        batch = build_batch(rows, Ids.from_sideband(side, pad), "left")
         batch = {k: v.to(args.device) for k, v in batch.items()}
         with torch.no_grad():
             ours_logits = thinker(**batch, use_audio_in_video=True).logits
@@ -54,21 +48,11 @@ def main() -> None:
             diff = (ours_logits - ref_logits)[batch["attention_mask"].bool()].abs().max().item()
             forwards = [partial(m, **batch, use_audio_in_video=True) for m in (thinker, ref)]
             ours, base = (harness.seconds(f, args.repeats, args.device) for f in forwards)
-    ms = {k: (min(t) * 1e3, statistics.median(t) * 1e3) for k, t in (("o", ours), ("b", base))}
     record = {"device": args.device, "threads": torch.get_num_threads(), "batch": args.batch}
-    record |= {
-        "seq_len": int(batch["input_ids"].shape[1]),
-        "max_abs_logit_diff": diff,
-        "ours_ms_best": round(ms["o"][0], 3),
-        "ours_ms_median": round(ms["o"][1], 3),
-        "baseline": "transformers Qwen3OmniMoeThinkerForConditionalGeneration.forward",
-        "baseline_ms_best": round(ms["b"][0], 3),
-        "baseline_ms_median": round(ms["b"][1], 3),
-        "speedup_best": round(ms["b"][0] / ms["o"][0], 3),
-        "speedup_median": round(ms["b"][1] / ms["o"][1], 3),
-    }
+    record |= {"seq_len": int(batch["input_ids"].shape[1]), "max_abs_logit_diff": diff}
+    record["baseline"] = "transformers Qwen3OmniMoeThinkerForConditionalGeneration.forward"
+    for tag, stat in (("best", min), ("median", statistics.median)):
+        ms = [stat(ours) * 1e3, stat(base) * 1e3]
+        record |= {f"ours_ms_{tag}": round(ms[0], 3), f"baseline_ms_{tag}": round(ms[1], 3)}
+        record[f"speedup_{tag}"] = round(ms[1] / ms[0], 3)
     harness.emit("thinker_forward", record, args.save)
-
-
-if __name__ == "__main__":
-    main()

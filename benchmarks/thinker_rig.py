@@ -4,8 +4,6 @@ Random weights at the released widths (``released.py``) drawn directly on the de
 weightless ``vl`` directory, wrapped as the trainer wraps a loaded checkpoint; synthetic media.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import shutil
@@ -13,13 +11,26 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import omni_grpo.data.prompt as prompt_mod
 import released
 import torch
+from omni_audio_inject.source import audio_config_of
+from omni_grpo.algo import group_advantages
+from omni_grpo.backends.torch_backend import TorchBackend
+from omni_grpo.config import AlgoConfig, DataConfig, TrainerConfig
+from omni_grpo.data.media import VideoClip
+from omni_grpo.models.loader import wrap_vl
+from omni_grpo.models.sideband import media_token_ids
+from omni_grpo.rollout.embedded import EmbeddedEngine
+from omni_grpo.trainer import end_of_turn_ids
+from omni_grpo.types import Sample
+from PIL import Image
+from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as omni_modeling
 
 
 def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -> dict[str, Any]:
-    """The skeleton's ``vl`` config at the requested widths and depth; ``vision_depth``: the
-    vision tower's (deepstack taps after its last 3 blocks), else the released one."""
+    """The skeleton's ``vl`` config at these widths and depths (deepstack: the last 3 blocks)."""
     cfg = json.loads((skeleton / "vl" / "config.json").read_text())
     text, vision = cfg["text_config"], cfg["vision_config"]
     if widths == "real":
@@ -35,11 +46,8 @@ def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -
     return cfg
 
 
-def vl_dir_at(
-    skeleton: Path, dst: Path, layers: int, widths: str, vision_depth: int = 0
-) -> tuple[Path, dict[str, Any]]:
-    """A weightless ``vl`` directory (:func:`config_at` + the skeleton's tokenizer/processor
-    files): what ``wrap_vl`` and the prompt builder read. Returns it and the config dict."""
+def vl_dir_at(skeleton: Path, dst: Path, layers: int, widths: str, vision_depth: int = 0) -> tuple:
+    """A weightless ``vl`` dir (the config, the tokenizer and processor files) and its config."""
     cfg = config_at(skeleton, layers, widths, vision_depth)
     dst.mkdir(parents=True, exist_ok=True)
     skip = ("config.json", "model.safetensors.index.json")
@@ -51,8 +59,7 @@ def vl_dir_at(
 
 
 def _drawn(make: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """``make()`` with ``dtype`` as the default dtype, on ``device`` (an fp32 48-layer model
-    would not fit next to its bf16 copy)."""
+    """``make()`` in ``dtype`` on ``device`` (fp32 48 layers would not fit beside its bf16 copy)."""
     previous = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
@@ -66,8 +73,6 @@ def build_vl(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> t
     """Random ``Qwen3VLMoeForConditionalGeneration`` (seed 0) drawn directly on ``device`` in
     ``dtype``. The fused experts are redrawn explicitly: a non-finite value from an uninitialised
     ``torch.empty`` would make every step skip and AdamW never allocate its state."""
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
     config = Qwen3VLMoeConfig(**{k: v for k, v in cfg.items() if k != "omni_sideband"})
     torch.manual_seed(0)
     vl = _drawn(lambda: Qwen3VLMoeForConditionalGeneration(config), device, dtype)
@@ -78,32 +83,19 @@ def build_vl(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> t
     return vl.to(dtype)
 
 
-def real_audio_tower(
-    thinker: Any, skeleton_audio: Path, device: torch.device, dtype: torch.dtype
-) -> None:
+def real_audio_tower(thinker: Any, skeleton_audio: Path, device: Any, dtype: torch.dtype) -> None:
     """Give the thinker's frozen audio tower real widths and depth, random weights on ``device``."""
-    from omni_audio_inject.source import audio_config_of
-    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoderConfig,
-    )
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
-
-    cfg = dict(audio_config_of(skeleton_audio))
+    cfg = {**audio_config_of(skeleton_audio), **released.AUDIO}
     cfg.pop("model_type", None)
-    cfg.update(released.AUDIO)
     cfg["output_dim"] = thinker.config.text_config.hidden_size
-    config = Qwen3OmniMoeAudioEncoderConfig(**cfg)
-    module = _drawn(lambda: Qwen3OmniMoeAudioEncoder(config), device, dtype)
+    config = omni_modeling.Qwen3OmniMoeAudioEncoderConfig(**cfg)
+    module = _drawn(lambda: omni_modeling.Qwen3OmniMoeAudioEncoder(config), device, dtype)
     tower = thinker.audio.tower
     tower._module, tower._config = module.to(dtype).eval().requires_grad_(False), config
 
 
-def thinker_at(
-    cfg: dict[str, Any], vl_dir: Path, skeleton: Path, device: torch.device, dtype: torch.dtype
-) -> Any:
+def thinker_at(cfg: dict, vl_dir: Path, skeleton: Path, device: Any, dtype: torch.dtype) -> Any:
     """``build_vl`` wrapped as the trainer wraps a loaded ``vl`` checkpoint (vision frozen)."""
-    from omni_grpo.models.loader import wrap_vl
-
     vl = build_vl(cfg, device, dtype)
     return wrap_vl(vl, vl_dir, audio_dir=skeleton / "audio", freeze_visual=True)
 
@@ -114,10 +106,22 @@ def colour_field(size: int, i: int, n: int) -> np.ndarray:
     return (np.stack([xx, yy, (xx + yy + i / n) % 1], -1) * 255).astype(np.uint8)
 
 
+def chirp(seconds: float, rate: int = 16000) -> np.ndarray:
+    """``seconds`` of a rising tone at ``rate`` Hz: every prompt's audio and video sound track."""
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
+
+
+def video(args: argparse.Namespace) -> tuple[np.ndarray, float]:
+    """``--video-frames`` moving colour frames and their fps; ``--long-prompts``: spanning the sound
+    (32 frames over 60 s), so the interleave spreads them through the audio as a real clip's."""
+    n, long = args.video_frames, getattr(args, "long_prompts", False)
+    frames = np.stack([colour_field(args.video_size, i, n) for i in range(n)])
+    return frames, n / args.audio_seconds if long else 2.0
+
+
 def write_images(root: Path, n: int, size: int) -> list[Path]:
     """``n`` :func:`colour_field` PNGs."""
-    from PIL import Image
-
     root.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         Image.fromarray(colour_field(size, i, n)).save(root / f"image{i}.png")
@@ -125,46 +129,32 @@ def write_images(root: Path, n: int, size: int) -> list[Path]:
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
-    """Install media loaders that return synthetic arrays (``--audio-seconds`` of a chirp, also
-    as every video's own sound track; ``--video-frames`` moving colour frames); returns the
-    prompt builder's matching limits. With ``--long-prompts`` the frames span the sound
-    (``video_frames / audio_seconds`` fps: 32 frames over 60 s), so the interleave spreads the
-    frame chunks through the audio as a real clip's would."""
-    import omni_grpo.data.prompt as prompt_mod
-    from omni_grpo.config import DataConfig
-    from omni_grpo.data.media import VideoClip
-
-    fps = args.video_frames / args.audio_seconds if getattr(args, "long_prompts", False) else 2.0
+    """Media loaders of :func:`chirp` (also each video's sound) and :func:`video`; the limits."""
 
     def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
-        t = np.arange(int(args.audio_seconds * 16000)) / 16000
-        return (0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)).astype(np.float32)
+        return chirp(args.audio_seconds)
 
-    def video(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
-        n = args.video_frames
-        return VideoClip(np.stack([colour_field(args.video_size, i, n) for i in range(n)]), fps)
+    def clip(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
+        return VideoClip(*video(args))
 
-    prompt_mod.load_audio, prompt_mod.load_video = audio, video
+    prompt_mod.load_audio, prompt_mod.load_video = audio, clip
     prompt_mod.load_video_audio = audio  # a video's own sound track (use_audio_in_video)
-    return DataConfig(
-        image_max_pixels=args.image_size**2,
-        audio_max_seconds=args.audio_seconds,
-        max_frames=args.video_frames,
-        video_max_pixels=args.video_size**2,
-    )
+    return DataConfig(**media_limits(args))
 
 
-def samples(
-    work: Path, n: int, kinds: tuple[str, ...], image_size: int, question: str, long: bool = False
-) -> tuple[list[Any], list[Path]]:
-    """``n`` prompts cycling ``kinds`` (image, audio, video, text), one medium each, and the
-    images written for them (one per prompt). ``long``: every prompt one video WITH its own
-    sound track interleaved (``use_audio_in_video``: one ``<vision_start><audio_start>`` block
-    of frame chunks and audio in time order), as audio-visual QA prompts come. The video files
-    only need to exist: the loaders (frames and track) are :func:`synthetic_media`'s."""
-    from omni_grpo.types import Sample
+def media_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The data section's limits that let the synthetic media through whole."""
+    limits = {"image_max_pixels": args.image_size**2, "audio_max_seconds": args.audio_seconds}
+    return limits | {"max_frames": args.video_frames, "video_max_pixels": args.video_size**2}
 
-    images = write_images(work / "media", n, image_size)
+
+def samples(work: Path, builder: Any, n: int, kinds: tuple, size: int, question: str, long=False):
+    """``n`` samples cycling ``kinds`` (image, audio, video, text), one medium each, the images
+    written for them (one per prompt) and ``builder``'s prompts. ``long``: every prompt one video
+    WITH its own sound track interleaved (``use_audio_in_video``: one block of frame chunks and
+    audio in time order), as audio-visual QA prompts come. The video files only need to exist:
+    the loaders (frames and track) are :func:`synthetic_media`'s."""
+    images = write_images(work / "media", n, size)
 
     def medium(kind: str, i: int) -> dict[str, str]:
         path = images[i] if kind == "image" else work / "media" / f"{kind}{i}.bin"
@@ -180,54 +170,29 @@ def samples(
         if long:
             kind, media = "video", [medium("video", i)]
             text = f"<video>Question {i}. What is said while this happens?"
-        out.append(
-            Sample(
-                uid=f"p{i}",
-                prompt=text,
-                label="",
-                media=media,
-                modality=kind,
-                use_audio_in_video=long,
-            )
-        )
-    return out, images
+        out.append(Sample(f"p{i}", text, "", media, modality=kind, use_audio_in_video=long))
+    return out, images, [builder.build(s, "/") for s in out]
 
 
 def stop_ids(vl_dir: Path, tok: Any) -> tuple[list[int], int]:
-    """The end-of-turn ids (banned: every sample runs to ``max_new_tokens``, the worst case)
-    and the pad id."""
-    from omni_grpo.trainer import end_of_turn_ids
-
+    """The end-of-turn ids (banned: every sample runs to ``max_new_tokens``) and the pad id."""
     eos = end_of_turn_ids(vl_dir, tok)
     return eos, int(tok.pad_token_id if tok.pad_token_id is not None else eos[0])
 
 
-def engine(
-    thinker: Any, eos: list, device: torch.device, tok: Any = None, stop: bool = False, **kw: Any
-) -> Any:
+def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = False, **kw: Any):
     """The embedded engine with the media ids banned and the end-of-turn ids too (``stop``: they
     end a sample instead); bf16 autocast on CUDA; ``tok`` decodes the completions' text."""
-    from omni_grpo.models.sideband import media_token_ids
-    from omni_grpo.rollout.embedded import EmbeddedEngine
-
     if tok is not None:
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
-    return EmbeddedEngine(
-        thinker,
-        eos if stop else [],
-        device=device,
-        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        banned_token_ids=media_token_ids(thinker) + ([] if stop else eos),
-        **kw,
-    )
+    kw["autocast_dtype"] = torch.bfloat16 if device.type == "cuda" else None
+    banned = media_token_ids(thinker) + ([] if stop else eos)
+    kw["banned_token_ids"] = banned
+    return EmbeddedEngine(thinker, eos if stop else [], device=device, **kw)
 
 
 def trainer(thinker: Any, device: torch.device, pad: int, lora: Any, kl: float, **kw: Any) -> Any:
-    """The real ``TorchBackend`` with gradient checkpointing: k3 KL to the base, clip 0.2 / 0.28,
-    lr 1e-5; ``kw``: other ``TrainerConfig`` fields (or these)."""
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, TrainerConfig
-
+    """The real ``TorchBackend``: checkpointing, k3 KL, clip 0.2 / 0.28, lr 1e-5 (or ``kw``)."""
     kw = {"device": str(device), "lr": 1e-5, "gradient_checkpointing": True, "lora": lora, **kw}
     algo = AlgoConfig(kl_coef=kl, kl_type="k3", clip_eps_low=0.2, clip_eps_high=0.28)
     return TorchBackend(thinker, TrainerConfig(**kw), algo, pad_token_id=pad, device=device)
@@ -235,6 +200,4 @@ def trainer(thinker: Any, device: torch.device, pad: int, lora: Any, kl: float, 
 
 def advantages(groups: list[Any], group: int) -> torch.Tensor:
     """Group advantages of uniform random rewards: the update's cost does not depend on them."""
-    from omni_grpo.algo import group_advantages
-
     return group_advantages(torch.rand(len(groups), group), group, std_normalize=True, eps=1e-6)

@@ -3,15 +3,12 @@
 Both sides train the same random bf16 ``vl`` checkpoint at the real widths cut to ``--layers``,
 on the same prompts and settings, each in its own process: samples/s, generated tokens/s, peak
 GPU memory and their ratios; the settings matched and how TRL gets onto the GPU box:
-docs/benchmarks.md, "Methods". ``--skeleton DIR``: an extracted ``vl`` + ``audio`` pair to reuse
-the config, tokenizer and processor of (default: made by the tiny factory).
+docs/benchmarks.md, "Methods". ``--skeleton DIR``: an extracted ``vl`` + ``audio`` pair to reuse.
 
     python benchmarks/vs_trl.py --work /tmp/vs_trl [--media video]      # H200: real widths
     python benchmarks/vs_trl.py --device cpu --widths tiny --image-size 64 --max-new-tokens 8 \\
         --prompts 2 --steps 2 --warmup 1 --layers 2                      # CPU smoke run
 """
-
-from __future__ import annotations
 
 import argparse
 import copy
@@ -20,6 +17,7 @@ import os
 import pickle
 import shutil
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,15 @@ import numpy as np
 import released
 import thinker_rig as rig
 import torch
+from omni_grpo.algo import group_advantages
+from omni_grpo.backends.torch_backend import TorchBackend
+from omni_grpo.config import AlgoConfig, DataConfig, SamplingParams, TrainerConfig
+from omni_grpo.data import prompt as prompt_mod
+from omni_grpo.data.media import VideoClip
+from omni_grpo.data.prompt import PromptBuilder
+from omni_grpo.models import load_thinker
+from omni_grpo.types import GRPOBatch, Sample
+from PIL import Image
 
 QUESTION = "What is shown here? Describe the colours, then answer in one word."
 # our run's settings in TRL's words: constant LR, token-mean loss over the step (dapo), clip
@@ -44,59 +51,18 @@ def reward_text(text: str) -> float:
     return sum(ch in "aeiou" for ch in text.lower()) / max(len(text), 1)
 
 
-# ------------------------------------------------------------------------------ the checkpoint
-def widen(skeleton: Path, dst: Path, layers: int, widths: str, device: str) -> Path:
-    """A random ``vl`` checkpoint (``thinker_rig.build_vl``, saved) with the skeleton's files at
-    the requested widths and depth; the vision tower at depth ``max(layers, 3)``, the audio tower
-    the skeleton's (image and video prompts never run it)."""
-    if (dst / "config.json").is_file():
-        return dst
-    tmp, depth = dst.with_name(dst.name + ".tmp"), max(layers, 3)
-    shutil.rmtree(tmp, ignore_errors=True)
-    cfg = rig.config_at(skeleton, layers, widths, depth)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    rig.build_vl(cfg, torch.device(device), dtype).save_pretrained(tmp)
-    rig.vl_dir_at(skeleton, tmp, layers, widths, depth)  # the skeleton's files over the saved ones
-    os.replace(tmp, dst)
-    return dst
-
-
-def write_media(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One image per prompt (``thinker_rig.write_images``), or those frames rolled sideways as a
-    video (.npy: decoded frames)."""
-    from PIL import Image
-
-    paths = rig.write_images(root, args.prompts, getattr(args, f"{args.media}_size"))
-    for i, image in enumerate(paths if args.media == "video" else []):
-        frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
-        np.save(paths[i], np.stack([np.roll(frame, t * 4, axis=1) for t in range(args.frames)]))
-    text = [f"Question {i}. {QUESTION}" for i in range(args.prompts)]
-    return [{"id": f"p{i}", "path": str(p), "text": text[i]} for i, p in enumerate(paths)]
-
-
-# ------------------------------------------------------------------------------------- ours
 def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[str, Any]]) -> dict:
-    from omni_grpo.algo import group_advantages
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, DataConfig, SamplingParams, TrainerConfig
-    from omni_grpo.data import prompt as prompt_mod
-    from omni_grpo.data.media import VideoClip
-    from omni_grpo.data.prompt import PromptBuilder
-    from omni_grpo.models import load_thinker
-    from omni_grpo.types import GRPOBatch, Sample
-
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
     prompt_mod.load_video = lambda path, fps, max_frames: VideoClip(np.load(path), args.fps)
     dev, cuda = args.device, args.device == "cuda"
     model = load_thinker(vl, audio_dir=audio, dtype="bfloat16" if cuda else "float32", device=dev)
     data = DataConfig(video_fps=args.fps, image_max_pixels=args.image_size**2 * 4)
-    builder = PromptBuilder(vl, data)
+    builder, prompts = PromptBuilder(vl, data), []
     tok = builder.tokenizer
-    prompts = []
     for r in rows:
         media = [{"type": args.media, "path": r["path"]}]
-        text = f"<{args.media}>{r['text']}"
-        prompts.append(builder.build(Sample(r["id"], text, "", media, modality=args.media), "/"))
+        sample = Sample(r["id"], f"<{args.media}>{r['text']}", "", media, modality=args.media)
+        prompts.append(builder.build(sample, "/"))
     cfg = TrainerConfig(device=dev, lr=args.lr, micro_batch_size=args.group, max_grad_norm=1.0)
     algo = AlgoConfig(loss_agg="token", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)
     backend = TorchBackend(model, cfg, algo, pad_token_id=int(tok.pad_token_id))
@@ -121,32 +87,22 @@ def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[st
     out = summary(args, ends, tokens)
     if cuda:  # the counter was reset per phase: the step's peak is the larger phase's
         out["peak_gpu_mem_gib"] = max(max(peak.values()), harness.peak_bytes(dev) / harness.GIB)
-    return out | {
-        "generation_s_median": statistics.median(gen_s[args.warmup :]),
-        "rollout_trainer_mean_abs_dlogp": statistics.fmean(diffs[args.warmup :]),
-        "rollout_trainer_mean_abs_dlogp_per_step": diffs,
-        "prompt_tokens": [len(p.input_ids) for p in prompts],
-        "peak_gpu_mem_gib_by_phase": peak if cuda else None,
-        "versions": harness.versions("omni-grpo"),
-    }
+    out["generation_s_median"] = statistics.median(gen_s[args.warmup :])
+    out["rollout_trainer_mean_abs_dlogp"] = statistics.fmean(diffs[args.warmup :])
+    out["rollout_trainer_mean_abs_dlogp_per_step"] = diffs
+    out |= {"prompt_tokens": [len(p.input_ids) for p in prompts]}
+    out |= {"peak_gpu_mem_gib_by_phase": peak if cuda else None}
+    return out | {"versions": harness.versions("omni-grpo")}
 
 
-# -------------------------------------------------------------------------------------- trl
 def run_trl(
-    args: argparse.Namespace,
-    vl: Path,
-    rows: list[dict[str, Any]],
-    model: Any = None,
-    peft_config: Any = None,
-    gradient_checkpointing: bool = False,
+    args: Any, vl: Path, rows: list, model: Any = None, peft: Any = None, ckpt: bool = False
 ) -> dict:
-    """TRL's ``GRPOTrainer`` on ``rows`` (a row's ``media`` overrides ``args.media``). ``model``:
-    an already built ``Qwen3VLMoeForConditionalGeneration`` (``benchmarks/one_gpu_thinker.py``
-    draws the 48-layer one on the GPU) instead of loading ``vl``'s weights; ``peft_config`` is
-    handed to the trainer, which wraps the model with peft itself."""
+    """TRL's ``GRPOTrainer`` on ``rows`` (a row's ``media`` overrides ``args.media``); ``model``: a
+    built VL model instead of ``vl``'s weights (one_gpu_thinker.py's), ``peft``: a peft config the
+    trainer wraps it with, ``ckpt``: gradient checkpointing."""
     import transformers as tf
     from datasets import Dataset
-    from PIL import Image
     from trl import GRPOConfig, GRPOTrainer
 
     device = args.device
@@ -159,12 +115,10 @@ def run_trl(
         video_processor = tf.Qwen3VLVideoProcessor(do_sample_frames=False)  # frames given as files
     except ImportError:
         video_processor = None
-    processor = tf.Qwen3VLProcessor(
-        image_processor=tf.AutoImageProcessor.from_pretrained(vl),
-        tokenizer=tf.AutoTokenizer.from_pretrained(vl),
-        video_processor=video_processor,
-        chat_template=json.loads((vl / "chat_template.json").read_text())["chat_template"],
-    )
+    template = json.loads((vl / "chat_template.json").read_text())["chat_template"]
+    kw = dict(image_processor=tf.AutoImageProcessor.from_pretrained(vl), chat_template=template)
+    kw |= dict(tokenizer=tf.AutoTokenizer.from_pretrained(vl), video_processor=video_processor)
+    processor = tf.Qwen3VLProcessor(**kw)
     records = []
     for r in rows:
         if r.get("media", args.media) == "image":
@@ -180,9 +134,7 @@ def run_trl(
     try:
         dataset = Dataset.from_list(records * (args.warmup + args.steps) * 4)
     except pickle.PicklingError:  # some dill/pyarrow pairs cannot hash the table: no cache key
-        import datasets.arrow_dataset
-
-        datasets.arrow_dataset.generate_fingerprint = lambda _ds: "vs-trl"
+        sys.modules[Dataset.__module__].generate_fingerprint = lambda _ds: "vs-trl"
         dataset = Dataset.from_list(records * (args.warmup + args.steps) * 4)
     tokens: list[int] = []
     ends: list[float] = []
@@ -197,61 +149,40 @@ def run_trl(
 
         on_train_begin = on_step_end
 
-    config = GRPOConfig(
-        output_dir=str(Path(args.work) / "trl_out"),
-        per_device_train_batch_size=args.group,
-        gradient_accumulation_steps=args.prompts,  # one optimizer step = `prompts` groups
-        num_generations=args.group,
-        max_completion_length=args.max_new_tokens,
-        max_steps=args.warmup + args.steps,
-        learning_rate=args.lr,
-        bf16=device == "cuda",
-        gradient_checkpointing=gradient_checkpointing,
-        seed=args.seed,
-        use_cpu=device == "cpu",
-        **TRL_MATCHED,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[reward],
-        args=config,
-        train_dataset=dataset,
-        processing_class=processor,
-        callbacks=[StepEnds()],
-        peft_config=peft_config,
-    )
-    trainer.train()
+    run = dict(output_dir=str(Path(args.work) / "trl_out"), seed=args.seed, learning_rate=args.lr)
+    # one optimizer step = `prompts` groups
+    run |= dict(per_device_train_batch_size=args.group, gradient_accumulation_steps=args.prompts)
+    run |= dict(num_generations=args.group, max_completion_length=args.max_new_tokens)
+    run |= dict(max_steps=args.warmup + args.steps, bf16=device == "cuda", use_cpu=device == "cpu")
+    config = GRPOConfig(**run, gradient_checkpointing=ckpt, **TRL_MATCHED)
+    kw = dict(train_dataset=dataset, processing_class=processor, peft_config=peft)
+    kw |= dict(model=model, reward_funcs=[reward], args=config, callbacks=[StepEnds()])
+    GRPOTrainer(**kw).train()
     first = copy.deepcopy(records[0]["prompt"])
     if records[0].get("image") is not None:
         first[0]["content"][0] = {"type": "image", "image": records[0]["image"]}
-    enc = processor.apply_chat_template(
-        [first], add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    return summary(args, ends, tokens) | {
-        "prompt_tokens_first": len(enc["input_ids"][0]),
-        "versions": harness.versions("trl"),
-        "experts_implementation": getattr(model.config, "_experts_implementation", None),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-    }
+    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
+    enc = processor.apply_chat_template([first], **kw)
+    out = summary(args, ends, tokens) | {"prompt_tokens_first": len(enc["input_ids"][0])}
+    out["versions"] = harness.versions("trl")
+    for impl in ("experts", "attn"):
+        out[f"{impl}_implementation"] = getattr(model.config, f"_{impl}_implementation", None)
+    return out
 
 
 def summary(args: argparse.Namespace, ends: list[float], tokens: list[int]) -> dict[str, Any]:
     """Step times (between consecutive step ends) after the warm-up steps, and their rates."""
     steps = np.diff(ends).tolist()
     timed, tok = steps[args.warmup :], tokens[args.warmup :]
-    med = statistics.median(timed)
-    cuda = args.device == "cuda"
-    return {
-        "step_s_median": med,
-        "step_s_all": steps,
-        "samples_per_s": args.prompts * args.group / med,
-        "generated_tokens_per_s": sum(tok) / sum(timed),
-        "generated_tokens_per_step": tok,
-        "peak_gpu_mem_gib": harness.peak_bytes(args.device) / harness.GIB if cuda else None,
-    }
+    med, cuda = statistics.median(timed), args.device == "cuda"
+    out = {"step_s_median": med, "step_s_all": steps}
+    out["samples_per_s"] = args.prompts * args.group / med
+    out |= {"generated_tokens_per_s": sum(tok) / sum(timed), "generated_tokens_per_step": tok}
+    out["peak_gpu_mem_gib"] = harness.peak_bytes(args.device) / harness.GIB if cuda else None
+    return out
 
 
-def main() -> None:
+if __name__ == "__main__":
     ap = harness.parser(__doc__, work="/tmp/vs_trl", skeleton=str, device="cuda", layers=4)
     harness.add_options(ap, image_size=448, video_size=224, frames=8, fps=2.0, prompts=4, group=8)
     harness.add_options(ap, max_new_tokens=256, lr=1e-6, steps=4, warmup=1, seed=0)
@@ -266,33 +197,43 @@ def main() -> None:
         torch.manual_seed(args.seed)
         result = run_ours(args, vl, audio, rows) if args.side == "ours" else run_trl(args, vl, rows)
         print(json.dumps(result), flush=True)
-        return
+        sys.exit()
     work.mkdir(parents=True, exist_ok=True)
     with harness.timed() as prep:
-        skeleton = (
-            Path(args.skeleton) if args.skeleton else released.make_skeleton(work / "skeleton")
-        )
-        widen(skeleton, vl, args.layers, args.widths, args.device)
+        skeleton = Path(args.skeleton or released.make_skeleton(work / "skeleton"))
+        # a random vl checkpoint with the skeleton's files at these widths and depth (the vision
+        # tower's: max(layers, 3)); the audio tower the skeleton's (image and video never run it)
+        if not (vl / "config.json").is_file():
+            tmp, depth = vl.with_name(vl.name + ".tmp"), max(args.layers, 3)
+            shutil.rmtree(tmp, ignore_errors=True)
+            cfg = rig.config_at(skeleton, args.layers, args.widths, depth)
+            dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+            rig.build_vl(cfg, torch.device(args.device), dtype).save_pretrained(tmp)
+            rig.vl_dir_at(skeleton, tmp, args.layers, args.widths, depth)  # its files over these
+            os.replace(tmp, vl)
         if not audio.exists():
             shutil.copytree(skeleton / "audio", audio)
-        (work / f"rows-{args.media}.json").write_text(json.dumps(write_media(work / "media", args)))
+        # one image per prompt, or as a video (.npy: decoded frames) that image rolled sideways
+        root, size = work / "media", getattr(args, f"{args.media}_size")
+        paths = rig.write_images(root, args.prompts, size)
+        for i, image in enumerate(paths if args.media == "video" else []):
+            frame, paths[i] = np.asarray(Image.open(image)), root / f"video{i}.npy"
+            np.save(paths[i], np.stack([np.roll(frame, t * 4, axis=1) for t in range(args.frames)]))
+        rows = [{"id": f"p{i}", "path": str(p)} for i, p in enumerate(paths)]
+        rows = [r | {"text": f"Question {i}. {QUESTION}"} for i, r in enumerate(rows)]
+        (work / f"rows-{args.media}.json").write_text(json.dumps(rows))
     # each side in its own process: its peak memory is its own
     sides = {s: harness.rerun("--side", s, check=False) for s in args.sides.split(",") if s}
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "config": {k: vars(args)[k] for k in ("layers", "widths", "media", "image_size")}
-        | {"frames": args.frames if args.media == "video" else None}
-        | {"prompts_per_step": args.prompts, "group_size": args.group}
-        | {"samples_per_step": args.prompts * args.group, "max_new_tokens": args.max_new_tokens}
-        | {
-            "lr": args.lr,
-            "loss": "token-mean over the step (ours loss_agg=token, TRL loss_type=dapo)",
-        }
-        | {"steps_timed": args.steps, "warmup_steps": args.warmup}
-        | {"dtype": "bf16" if args.device == "cuda" else "fp32"},
-        "prepare_s": prep.s,
-        **sides,
-    }
+    cuda = args.device == "cuda"
+    config = {k: vars(args)[k] for k in ("layers", "widths", "media", "image_size")}
+    config |= {"frames": args.frames if args.media == "video" else None}
+    config |= {"prompts_per_step": args.prompts, "group_size": args.group}
+    config |= {"samples_per_step": args.prompts * args.group, "max_new_tokens": args.max_new_tokens}
+    loss = "token-mean over the step (ours loss_agg=token, TRL loss_type=dapo)"
+    config |= {"lr": args.lr, "loss": loss, "steps_timed": args.steps, "warmup_steps": args.warmup}
+    config["dtype"] = "bf16" if cuda else "fp32"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {"device": device, "config": config, "prepare_s": prep.s, **sides}
     ours, theirs = sides.get("ours", {}), sides.get("trl", {})
     if "samples_per_s" in ours and "samples_per_s" in theirs:
         for key in ("samples_per_s", "generated_tokens_per_s"):
@@ -300,7 +241,3 @@ def main() -> None:
         if ours.get("peak_gpu_mem_gib") and theirs.get("peak_gpu_mem_gib"):
             result["ratio_peak_mem"] = ours["peak_gpu_mem_gib"] / theirs["peak_gpu_mem_gib"]
     harness.emit("vs_trl", result, args.save)
-
-
-if __name__ == "__main__":
-    main()
