@@ -53,7 +53,7 @@ def reward_text(text: str) -> float:
 
 def run_ours(args: argparse.Namespace, vl: Path, audio: Path, rows: list[dict[str, Any]]) -> dict:
     # Videos are stored as decoded frames: the benchmark measures training, not PyAV.
-    prompt_mod.load_video = lambda path, fps, max_frames: VideoClip(np.load(path), args.fps)
+    prompt_mod.load_video = lambda path, fps, max_frames, *_: VideoClip(np.load(path), args.fps)
     dev, cuda = args.device, args.device == "cuda"
     model = load_thinker(vl, audio_dir=audio, dtype="bfloat16" if cuda else "float32", device=dev)
     data = DataConfig(video_fps=args.fps, image_max_pixels=args.image_size**2 * 4)
