@@ -79,6 +79,8 @@ def write_run(
     cfg["data"] |= thinker_rig.media_limits(args)
     cfg["rollout"].update(n_samples=args.group, prompts_per_step=args.prompts)
     cfg["rollout"]["sampling"]["max_new_tokens"] = args.max_new_tokens
+    # as the benchmark ran (its --exact-logprobs), not the CLI's auto (on with compile on CUDA)
+    cfg["rollout"]["exact_logprobs"] = bool(args.exact_logprobs)
     cfg["rollout"].pop("eval_sampling", None)
     cfg.pop("eval", None)
     lora = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets.split(",")}
