@@ -10,7 +10,8 @@ rollout<->trainer logprob mismatch. The method: docs/one-gpu-lora.md. ``--length
 lognormal:MEDIAN:SIGMA``; ``--long-prompts`` (every prompt a 32-frame video and 60 s of audio);
 ``--batching both`` (each step with each decoder; ``--static-batch-rows``: 64 for 256 x 4096);
 ``--extra-groups N`` (partial rollouts, N groups in flight); ``--micro-batch-tokens`` (pack rows),
-``--compile``, ``--checkpoint-policy``, ``--exact-logprobs``: the trainer's; ``--write-run DIR``
+``--compile``, ``--checkpoint-policy``: the trainer's; ``--[no-]exact-logprobs``: default as
+``rollout.exact_logprobs: auto`` (on for CUDA with layer checkpointing); ``--write-run DIR``
 (model, media and a train config: cli_run.py); ``--trl-steps N`` (then TRL + peft); ``--profile``.
 
     python benchmarks/one_gpu_thinker.py --work /tmp/og                       # H200, 8 x 8 x 512
@@ -97,7 +98,8 @@ if __name__ == "__main__":
     harness.add_options(ap, rank=16, alpha=32.0, targets="attention,experts", micro_batch_size=8)
     harness.add_options(ap, expert_path=("grouped", "peft"), micro_batch_tokens=int, compile=False)
     harness.add_options(ap, checkpoint_policy=("layer", "selective"), steps=2, seed=0)
-    harness.add_options(ap, extra_groups=0, exact_logprobs=False, lengths="uniform", trl_steps=0)
+    harness.add_options(ap, extra_groups=0, lengths="uniform", trl_steps=0)
+    ap.add_argument("--exact-logprobs", action=argparse.BooleanOptionalAction)  # None: auto
     harness.add_options(ap, batching=("static", "continuous", "both"), static_batch_rows=512)
     harness.add_options(ap, long_prompts=False, generation_only=False, write_run=Path)
     harness.add_options(ap, trl_warmup=1, profile=str)
@@ -106,6 +108,8 @@ if __name__ == "__main__":
     args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
     harness.torch_threads(4)
     work, device, cuda = Path(args.work), torch.device(args.device), args.device == "cuda"
+    if args.exact_logprobs is None:  # rollout.exact_logprobs auto: on where it can hold
+        args.exact_logprobs = cuda and args.checkpoint_policy == "layer"
     dtype = torch.bfloat16 if cuda else torch.float32
     skeleton, limits = released.make_skeleton(work / "skeleton"), harness.device_limits(device)
     vl_dir, cfg = rig.vl_dir_at(skeleton, work / f"vl-{args.layers}", args.layers, args.widths)
