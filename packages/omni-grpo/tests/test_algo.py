@@ -18,6 +18,7 @@ from omni_grpo.algo import (
     mismatch_metrics,
     token_logprobs_from_logits,
 )
+from omni_grpo.algo.step import MetricSums
 from omni_grpo.config import AlgoConfig
 
 LN = math.log
@@ -374,6 +375,33 @@ def test_nan_on_masked_tokens_is_harmless() -> None:
 
 
 # ---------------------------------------------------------------------------------------- metrics
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_all_equal_logprobs_give_an_exact_fraction_of_exactly_one(device: str) -> None:
+    """Bitwise-equal logprobs report 1.0, not 0.99999994: per micro-batch of any size, and
+    through the step's token-weighted :class:`MetricSums` over micro-batches of unequal sizes."""
+    gen = torch.Generator().manual_seed(3)
+    sums = MetricSums()
+    for n in (1, 3, 4097, 5003, 16381, 65537):
+        logp = -torch.rand(1, n, generator=gen).to(device)
+        mask = torch.ones(1, n, device=device)
+        frac = mismatch_metrics(logp, logp.clone(), mask)["train_rollout_logprob_exact_fraction"]
+        assert frac.item() == 1.0, n
+        sums.add({"train_rollout_logprob_exact_fraction": float(frac.float())}, float(n))
+    assert sums.means()["train_rollout_logprob_exact_fraction"] == 1.0
+
+
 def test_mismatch_metrics_hand_values() -> None:
     train = torch.tensor([[-1.0, -2.0, -3.0, 0.0]])
     roll = torch.tensor([[-1.0, -2.5, -2.5, 5.0]])

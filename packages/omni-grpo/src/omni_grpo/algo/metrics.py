@@ -56,7 +56,9 @@ def mismatch_metrics(
     q = torch.quantile(w, torch.tensor([0.05, 0.5, 0.95], dtype=w.dtype, device=w.device))
     return {
         "train_rollout_logprob_abs_diff": (t - r).abs().mean(),
-        "train_rollout_logprob_exact_fraction": (t == r).float().mean(),
+        # a count over a count, not ``.float().mean()``: CUDA's mean multiplies by 1/n, which
+        # rounds an all-equal batch to 0.99999994 and a step of them to 0.999999985
+        "train_rollout_logprob_exact_fraction": (t == r).sum().double() / t.numel(),
         "train_rollout_logprob_pearson": _pearson(t, r),
         "train_rollout_kl": kl_estimate(r, t, "low_var_kl").mean(),
         "train_rollout_ratio_p5": q[0],
