@@ -11,8 +11,9 @@ lognormal:MEDIAN:SIGMA``; ``--long-prompts`` (every prompt a 32-frame video and 
 ``--batching both`` (each step with each decoder; ``--static-batch-rows``: 64 for 256 x 4096);
 ``--extra-groups N`` (partial rollouts, N groups in flight); ``--micro-batch-tokens`` (pack rows),
 ``--compile``, ``--checkpoint-policy``: the trainer's; ``--[no-]exact-logprobs``: default as
-``rollout.exact_logprobs: auto`` (on for CUDA with layer checkpointing); ``--write-run DIR``
-(model, media and a train config: cli_run.py); ``--trl-steps N`` (then TRL + peft); ``--profile``.
+``rollout.exact_logprobs: auto`` (on for CUDA with layer checkpointing and no extra groups);
+``--write-run DIR`` (model, media and a train config: cli_run.py); ``--trl-steps N`` (then TRL +
+peft); ``--profile``.
 
     python benchmarks/one_gpu_thinker.py --work /tmp/og                       # H200, 8 x 8 x 512
     python benchmarks/one_gpu_thinker.py --work /tmp/og --prompts 32          # 256 rows
@@ -109,7 +110,7 @@ if __name__ == "__main__":
     harness.torch_threads(4)
     work, device, cuda = Path(args.work), torch.device(args.device), args.device == "cuda"
     if args.exact_logprobs is None:  # rollout.exact_logprobs auto: on where it can hold
-        args.exact_logprobs = cuda and args.checkpoint_policy == "layer"
+        args.exact_logprobs = cuda and args.checkpoint_policy == "layer" and not args.extra_groups
     dtype = torch.bfloat16 if cuda else torch.float32
     skeleton, limits = released.make_skeleton(work / "skeleton"), harness.device_limits(device)
     vl_dir, cfg = rig.vl_dir_at(skeleton, work / f"vl-{args.layers}", args.layers, args.widths)
