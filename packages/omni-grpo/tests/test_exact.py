@@ -27,8 +27,6 @@ from omni_grpo.config import ConfigError, load_config
             "rollout.exact_logprobs needs rollout.engine embedded (got 'sglang-omni')",
         ),
         (["trainer.backend=megatron"], "rollout.exact_logprobs needs trainer.backend torch"),
-        (["rollout.embedded.actors=2"], "rollout.exact_logprobs needs the in-process embedded"),
-        (["trainer.world_size=2"], "rollout.exact_logprobs needs trainer.world_size 1"),
         (["trainer.device=cpu"], "rollout.exact_logprobs needs a CUDA device"),
         (["model.dtype=float32"], "rollout.exact_logprobs needs model.dtype bfloat16"),
         (
@@ -63,6 +61,9 @@ def test_config_accepts_the_supported_setting() -> None:
     ]
     assert load_config(None, on).trainer.compile
     assert load_config(None, []).rollout.exact_logprobs == "auto"
+    # the scale path: rollout actors hold bitwise copies (LoRA: the unmerged adapters)
+    ray = ["rollout.exact_logprobs=true", "rollout.embedded.actors=1", "trainer.world_size=2"]
+    assert load_config(None, [*ray, "trainer.lora={rank: 8}"]).trainer.world_size == 2
 
 
 # ----------------------------------------------------------------------- the default: auto
@@ -104,25 +105,32 @@ def test_auto_is_on_where_it_holds_and_says_so() -> None:
     assert on and line.startswith("rollout.exact_logprobs: on (auto)")
 
 
-def test_auto_on_a_cpu_model_and_on_ray_actors_is_off() -> None:
+def test_auto_on_a_cpu_model_is_off_and_on_ray_actors_follows_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from omni_grpo.exact import ExactLogprobsUnsupported
     from omni_grpo.loop.components import resolve_exact
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this test's machine: CPU
 
     cfg = load_config(None, [])
     on, line = resolve_exact(cfg, SimpleNamespace(lm_head=torch.nn.Linear(4, 4)))
     assert not on and "needs the model on a CUDA device (it is on cpu)" in line
     assert "turn the option off" not in line  # auto turned it off: no advice to do so
+    ray = ["rollout.embedded.actors=1", "trainer.world_size=2"]
+    on, line = resolve_exact(load_config(None, ray), None, distributed=True)
+    assert not on and "the trainer ranks would run on the CPU" in line  # trainer.device auto
     on, line = resolve_exact(
-        load_config(None, ["rollout.embedded.actors=1"]), None, distributed=True
-    )
-    assert not on and "in-process embedded engine" in line and "Ray scale path" in line
+        load_config(None, [*ray, "trainer.device=cuda"]), None, distributed=True
+    )  # every actor checks its own device as it starts
+    assert on and "in every trainer rank and rollout actor" in line
     on, line = resolve_exact(load_config(None, ["trainer.backend=megatron"]), None)
     assert not on and "needs trainer.backend torch" in line and "Ray" not in line
     assert resolve_exact(load_config(None, ["rollout.exact_logprobs=false"]), None) == (
         False,
         "rollout.exact_logprobs: off (false in the config)",
     )
-    with pytest.raises(ExactLogprobsUnsupported, match="true, but the Ray scale path"):
+    with pytest.raises(ExactLogprobsUnsupported, match="true, but the trainer ranks would run"):
         resolve_exact(load_config(None, ["rollout.exact_logprobs=true"]), None, distributed=True)
 
 

@@ -200,3 +200,30 @@ def test_ray_num_cpus_is_a_whole_number() -> None:
     assert type(RayConfig(num_cpus=8.0).num_cpus) is int
     with pytest.raises(ValueError, match="num_cpus"):
         RayConfig(num_cpus=1.5)
+
+
+def test_ranks_and_actors_share_one_gpu_with_fractions() -> None:
+    """The one-GPU scale path (docs/scale.md): 2 ranks x 0.3 GPU + 1 rollout actor x 0.3 fit one
+    GPU; sharing ranks are flagged so their collectives and the sync take gloo, not NCCL."""
+    cfg = load_config(
+        EXAMPLES / "tiny-ray.yaml",
+        [
+            "trainer.device=cuda",
+            "rollout.embedded.actors=1",
+            "rollout.embedded.gpus_per_actor=0.3",
+            "ray.gpus_per_trainer=0.3",
+        ],
+    )
+    plan = plan_run(cfg)
+    assert plan.device == "GPU" and plan.shares_gpus
+    assert [b["GPU"] for b in plan.bundles] == [0.3, 0.3]
+    assert plan.trainer_gpus == 1  # 0.6 of one GPU
+    whole = plan_run(load_config(EXAMPLES / "tiny-ray.yaml", ["trainer.device=cuda"]))
+    assert not whole.shares_gpus and whole.trainer_gpus == 2
+
+
+@pytest.mark.parametrize("field", ["ray.gpus_per_trainer", "rollout.embedded.gpus_per_actor"])
+@pytest.mark.parametrize("value", ["0", "1.5"])
+def test_gpu_fractions_outside_0_1_are_refused(field: str, value: str) -> None:
+    with pytest.raises(ValueError, match=field.split(".")[-1]):
+        load_config(EXAMPLES / "tiny-ray.yaml", [f"{field}={value}"])

@@ -72,6 +72,16 @@ def test_layouts_that_fit_pass_and_unknown_counts_are_not_checked() -> None:
     cfg = _cfg("trainer.device=cuda")
     check_resources(plan_run(cfg), cfg, [{"CPU": 1.0}], "no GPU count: not checked")
     check_local_resources(_cfg("trainer.world_size=1", "rollout.embedded.actors=0"))  # 1 process
+    shared = _cfg(
+        "trainer.device=cuda",
+        "rollout.embedded.actors=1",
+        "rollout.embedded.gpus_per_actor=0.3",
+        "ray.gpus_per_trainer=0.3",
+    )
+    check_resources(plan_run(shared), shared, [{"CPU": 2.0, "GPU": 1.0}], "one GPU, shared")
+    with pytest.raises(PlacementError, match=r"ray\.gpus_per_trainer"):
+        over = _cfg("trainer.device=cuda", "ray.gpus_per_trainer=0.75")  # 1.5 GPUs, STRICT_PACK
+        check_resources(plan_run(over), over, [{"CPU": 2.0, "GPU": 1.0}], "one GPU")
 
 
 def test_plan_and_train_refuse_at_once_and_make_nothing(tmp_path: Path) -> None:

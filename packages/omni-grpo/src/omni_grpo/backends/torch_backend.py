@@ -591,7 +591,12 @@ class TorchBackend:
         """Trainable weights under the VL names, as transformers holds them (``hf_memory``): a
         state dict of the live parameters (no copy), so the sync checks every name up front.
         With LoRA: the merged ``W + scale * B A`` of the adapted tensors only, under their base
-        names (the server holds plain weights; what LoRA does not touch it already has)."""
+        names (the server holds plain weights; what LoRA does not touch it already has) — but in
+        exact mode the adapters themselves, live: the receiver is then an embedded rollout actor
+        holding the same adapters (``ray.actors.RolloutActor``), and a merged weight's products
+        would not round as the trainer's unmerged ones do."""
+        if self.lora and self.exact:
+            return {n: p for n, p in self.model.named_parameters() if p.requires_grad}, "hf_memory"
         if self.lora:
             from omni_grpo.models.lora import merged_weights
 

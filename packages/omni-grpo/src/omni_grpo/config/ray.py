@@ -20,5 +20,12 @@ class RayConfig(StrictModel):
     cpus_per_trainer: float = Field(
         1.0, gt=0, description="fractions let several actors share a small machine"
     )
+    gpus_per_trainer: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="GPU ranks: a fraction lets the ranks (and rollout actors) share one GPU; "
+        "ranks sharing a GPU reduce over gloo (NCCL refuses two ranks of one group on one device)",
+    )
     gpus_per_node: int = Field(8, ge=1, description="for planning: where TP groups may go")
     start_timeout_s: float = Field(300.0, gt=0, description="placement and actor start-up")

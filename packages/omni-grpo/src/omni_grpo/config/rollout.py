@@ -57,6 +57,14 @@ class EmbeddedRolloutConfig(StrictModel):
 
     actors: int = Field(0, ge=0)
     cpus_per_actor: float = Field(0.5, gt=0)
+    gpus_per_actor: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="GPU actors: a fraction lets the actors and the trainer ranks share one GPU "
+        "(a one-GPU run of the scale path; the weight sync then takes gloo, as NCCL refuses two "
+        "ranks of one group on one device)",
+    )
     sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
     extra_groups: int = Field(
         0,

@@ -140,11 +140,12 @@ def exact_obstacles(cfg: OmniGRPOConfig) -> list[str]:
     alone; the device, dtype and Triton are checked when the model is switched).
 
     The bitwise equality needs the rollout and the trainer to run the same module with the same
-    kernels: one process (the embedded engine sharing the torch backend's module). Ray rollout
-    actors receive weights by sync, and with LoRA those are the merged ``W + scale B A``, whose
-    products round differently from the trainer's unmerged path; trainer ranks on other
-    processes hold their own copies. The device and dtype are checked again when the model is
-    switched (``omni_grpo.exact.check_supported``), where ``auto`` has been resolved.
+    kernels and the same bits: the embedded engine, in the trainer's process (sharing its
+    module) or as Ray rollout actors (each holding a copy that the sync keeps bitwise equal to
+    the trainer's: full weights, or with LoRA the unmerged adapters, never ``W + scale B A``,
+    whose products round differently). The device and dtype are checked again when the model
+    is switched (``omni_grpo.exact.check_supported``, in every actor), where ``auto`` has been
+    resolved.
     """
     out = []
     where = "rollout.exact_logprobs"
@@ -152,14 +153,6 @@ def exact_obstacles(cfg: OmniGRPOConfig) -> list[str]:
         out.append(f"{where} needs rollout.engine embedded (got {cfg.rollout.engine!r})")
     if cfg.trainer.backend != "torch":
         out.append(f"{where} needs trainer.backend torch (got {cfg.trainer.backend!r})")
-    if cfg.rollout.embedded.actors:
-        out.append(
-            f"{where} needs the in-process embedded engine (rollout.embedded.actors 0, got "
-            f"{cfg.rollout.embedded.actors}): rollout actors receive synced weights (merged "
-            "W + BA with LoRA), which do not round like the trainer's forward"
-        )
-    if cfg.trainer.world_size > 1:
-        out.append(f"{where} needs trainer.world_size 1 (got {cfg.trainer.world_size})")
     if cfg.trainer.device == "cpu":
         out.append(f"{where} needs a CUDA device (trainer.device is cpu)")
     if cfg.model.dtype == "float32":

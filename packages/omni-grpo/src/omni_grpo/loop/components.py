@@ -64,10 +64,11 @@ def resolve_exact(
     """``rollout.exact_logprobs`` for this run: (on, the sentence the run's first lines say).
 
     ``true`` was checked against the settings when the config loaded; here the model's device,
-    dtype and Triton are (a refusal raises). ``auto`` is on wherever nothing stands in the way and
-    off, with every reason, elsewhere: the Ray scale path (trainer or rollout actors),
-    overlapped rollouts (a sample one policy version old cannot equal the trainer's logprob),
-    and what ``config.exact_obstacles`` names (engine, backend, CPU, float32, compile, ...).
+    dtype and Triton are (a refusal raises), or, on the Ray scale path (``distributed``: no
+    policy in this process), in every trainer rank and rollout actor as it starts. ``auto`` is
+    on wherever nothing stands in the way and off, with every reason, elsewhere: overlapped
+    rollouts (a sample one policy version old cannot equal the trainer's logprob), partial
+    rollouts, and what ``config.exact_obstacles`` names (engine, backend, CPU, float32, ...).
     """
     from omni_grpo.config import exact_obstacles
     from omni_grpo.exact import ExactLogprobsUnsupported, check_supported
@@ -76,15 +77,15 @@ def resolve_exact(
     if setting is False:
         return False, "rollout.exact_logprobs: off (false in the config)"
     reasons = [] if setting is True else exact_obstacles(cfg)
-    if distributed:  # trainer ranks or rollout actors in other processes
-        reasons.append("the Ray scale path (trainer or rollout actors) does not run it yet")
-    elif setting == "auto" and cfg.rollout.max_staleness:
+    if setting == "auto" and cfg.rollout.max_staleness:
         reasons.append("rollout.max_staleness 1 samples with weights one version old")
     elif setting == "auto" and cfg.rollout.embedded.extra_groups:
         reasons.append("rollout.embedded.extra_groups continues samples of earlier policies")
-    if policy is None and not reasons:  # a backend without an in-process policy
+    if policy is None and not distributed and not reasons:  # no in-process policy
         reasons.append(f"trainer.backend {cfg.trainer.backend!r} has no in-process policy")
-    if not reasons:
+    if distributed and not reasons and plan_run(cfg).device != "GPU":  # trainer.device auto
+        reasons.append("the trainer ranks would run on the CPU (no CUDA device here)")
+    if not reasons and not distributed:
         try:
             check_supported(policy)
         except ExactLogprobsUnsupported as err:
@@ -96,9 +97,14 @@ def resolve_exact(
     if reasons:
         return False, "rollout.exact_logprobs: off (auto): " + "; ".join(reasons)
     how = "auto" if setting == "auto" else "true"
+    where = (
+        " in every trainer rank and rollout actor (the sync keeps their weights bitwise equal)"
+        if distributed
+        else ""
+    )
     return True, (
         f"rollout.exact_logprobs: on ({how}): every rollout logprob is computed by the "
-        "trainer's kernels, bit for bit"
+        f"trainer's kernels, bit for bit{where}"
     )
 
 
@@ -121,10 +127,12 @@ def start_components(
     if plan_run(cfg).distributed:
         from omni_grpo.ray.driver import start_ray_run
 
-        # before any actor starts: an explicit true that cannot hold stops the run here
+        # before any actor starts: an explicit true that cannot hold stops the run here; the
+        # actors get the resolved switch (true or false) and check their device as they start
         exact = resolve_exact(cfg, None, distributed=True)
+        rollout = cfg.rollout.model_copy(update={"exact_logprobs": exact[0]})
         ray_run = start_ray_run(
-            cfg,
+            cfg.model_copy(update={"rollout": rollout}),
             run_dir,
             pad_token_id=pad_id,
             eos_token_ids=eos_ids,

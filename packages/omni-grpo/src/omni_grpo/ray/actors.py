@@ -135,8 +135,11 @@ class TrainerActor:
                     is_master=False,
                     timeout=timeout,
                 )
+            # ranks with fractions of one GPU (ray.gpus_per_trainer < 1) may share a device,
+            # which NCCL refuses ("Duplicate GPU detected"): they reduce over gloo
+            nccl = device.type == "cuda" and self.cfg.ray.gpus_per_trainer >= 1
             dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo",
+                "nccl" if nccl else "gloo",
                 store=store,
                 rank=self.rank,
                 world_size=self.world_size,
@@ -147,6 +150,12 @@ class TrainerActor:
         self.backend = create_backend(
             cfg.trainer.backend, cfg.model, cfg.trainer, cfg.algo, pad_token_id=pad_token_id
         )
+        if cfg.rollout.exact_logprobs is True:  # resolved by the driver (loop.components)
+            from omni_grpo.exact import enable_exact_logprobs
+
+            enable_exact_logprobs(self.backend.policy)  # raises where the device cannot
+            if cfg.rollout.max_staleness:  # samples one version old: inexact by construction
+                self.backend.exact_watch.enabled = False
         log.info("rank %d/%d ready on %s", self.rank, self.world_size, self.backend.device)
         # the layout only: the export itself is lazy (a Megatron generator starts no collective
         # until iterated) and is dropped unread
@@ -247,6 +256,8 @@ class RolloutActor:
         self.cfg = cfg
         self.index = int(index)
         self.engine: Any = None
+        self.policy: Any = None
+        self.exact = self.lora = False
         self.params: dict[str, Any] = {}
         self.group: Any = None
         self.version = "default"
@@ -255,13 +266,15 @@ class RolloutActor:
         return os.getpid()
 
     def setup(self, eos_token_ids: list[int]) -> dict[str, Any]:
-        """Load the policy copy exactly as the torch backend loads it, and wrap it in the engine."""
-        import torch
+        """Load the policy copy exactly as the torch backend loads it, and wrap it in the engine.
 
+        With ``rollout.exact_logprobs`` (resolved to true by the driver) the copy is the
+        trainer's module as it trains: LoRA adapters injected the same way (the sync sends them
+        unmerged, ``TorchBackend.weights_for_sync``) and the exact kernels switched on."""
         from omni_grpo.backends.torch_backend import resolve_device
         from omni_grpo.models import load_thinker
         from omni_grpo.models.sideband import media_token_ids
-        from omni_grpo.rollout.embedded import EmbeddedEngine, resolve_batching
+        from omni_grpo.rollout.embedded import EmbeddedEngine
         from omni_grpo.run.process import configure_threads
 
         configure_threads(self.cfg.trainer.device)
@@ -275,19 +288,29 @@ class RolloutActor:
             freeze_visual=m.freeze_visual,
             freeze_lm_head=m.freeze_lm_head,
         )
+        self.exact = self.cfg.rollout.exact_logprobs is True
+        self.lora = self.exact and self.cfg.trainer.lora is not None
+        if self.lora:
+            from omni_grpo.models.lora import apply_lora
+
+            apply_lora(policy, self.cfg.trainer.lora)
+        if self.exact:
+            from omni_grpo.exact import enable_exact_logprobs
+
+            enable_exact_logprobs(policy)  # raises where the device cannot
         policy.eval()
+        self.policy = policy
         # Every tensor of the module by name: the sync sends the trainer's own names (the module
         # class is the same), and towers too, since this engine CAN refit its encoders.
         self.params = dict(policy.state_dict())
         banned = media_token_ids(policy)
-        self.engine = EmbeddedEngine(
-            policy,
-            eos_token_ids,
-            device=device,
-            autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        self.engine = EmbeddedEngine.from_rollout_config(
+            self.cfg.rollout,
+            policy=policy,
+            eos_token_ids=eos_token_ids,
+            device=str(device),
             version_fn=lambda: self.version,
             banned_token_ids=banned,
-            batching=resolve_batching(self.cfg.rollout.embedded.batching, device.type == "cuda"),
         )
         log.info("rollout actor %d ready on %s", self.index, device)
         return {"device": str(device), "banned_token_ids": banned, "pid": os.getpid()}
@@ -363,6 +386,10 @@ class RolloutActor:
                         f"received {tuple(t.shape)}"
                     )
                 target.copy_(t)
+        if self.lora:  # the grouped experts' bf16 factors are cached per optimizer step
+            from omni_grpo.models.grouped_experts import invalidate_factor_caches
+
+            invalidate_factor_caches(self.policy)
         if version is not None:
             self.version = version
         return len(received)

@@ -498,7 +498,7 @@ def start_rollout_actors(
         return rollouts, refs
     emb = cfg.rollout.embedded
     remote = ray.remote(RolloutActor)
-    gpus = 1 if plan.device == "GPU" else 0
+    gpus = emb.gpus_per_actor if plan.device == "GPU" else 0
     for i in range(emb.actors):
         path = Path(run_dir) / "logs" / f"rollout-{i}.log"
         handle = remote.options(num_cpus=emb.cpus_per_actor, num_gpus=gpus).remote(
@@ -550,8 +550,9 @@ def start_ray_run(
             rollouts.get(rollout_setups, range(len(rollouts)), "start-up", deadline, placed_by)
             run.engine = RayRolloutEngine(rollouts, decode_fn)
             backend = cfg.rollout.embedded.sync_backend
-            if backend == "auto":
-                backend = "nccl" if plan.device == "GPU" else "gloo"
+            if backend == "auto":  # a shared GPU: NCCL refuses two ranks of a group on it
+                shared = plan.shares_gpus or cfg.rollout.embedded.gpus_per_actor < 1
+                backend = "nccl" if plan.device == "GPU" and not shared else "gloo"
             run.sync = ActorWeightSync(
                 rollouts,
                 master_address=ray.util.get_node_ip_address(),

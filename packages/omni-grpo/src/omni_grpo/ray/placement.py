@@ -6,7 +6,8 @@ Layout (trainer_facts §7, adapted to sglang-omni servers that have no sleep/off
 
 * one Ray placement group for the trainer, one bundle per rank, strategy ``STRICT_PACK`` when
   the whole trainer fits one node (TP groups share NVLink) else ``PACK``; rank ``r`` runs in
-  bundle ``r``. GPU ranks get ``{"GPU": 1, "CPU": c}``; CPU ranks (torch backend on ``cpu``, the
+  bundle ``r``. GPU ranks get ``{"GPU": g, "CPU": c}`` (``g`` = ``ray.gpus_per_trainer``, 1
+  unless ranks share a GPU); CPU ranks (torch backend on ``cpu``, the
   CI path) get ``{"CPU": c}`` with a fractional ``c`` so that a 2-core box can hold them
   (trainer_facts §9: actors ask for a whole CPU by default, and four of them never start there);
 * the rollout side is disaggregated (no colocation): launched sglang-omni servers are Ray actors
@@ -82,7 +83,16 @@ class PlacementPlan:
 
     @property
     def trainer_gpus(self) -> int:
-        return self.world_size if self.device == "GPU" else 0
+        """Whole GPUs the ranks take (ranks with a fraction each share them)."""
+        if self.device != "GPU":
+            return 0
+        return math.ceil(sum(b.get("GPU", 0.0) for b in self.bundles) - 1e-9)
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Whether trainer ranks take fractions of a GPU: two of one group may share a device,
+        which NCCL refuses, so their collectives go over gloo."""
+        return self.device == "GPU" and any(b.get("GPU", 1.0) < 1.0 for b in self.bundles)
 
     @property
     def rollout_gpus(self) -> int:
@@ -191,6 +201,7 @@ def plan_placement(
     trainer_gpus: int | None = None,
     gpus_per_node: int = 8,
     cpus_per_rank: float = 1.0,
+    gpus_per_rank: float = 1.0,
     server_tp_sizes: list[int] | None = None,
     available_gpus: int | None = None,
 ) -> PlacementPlan:
@@ -222,7 +233,9 @@ def plan_placement(
         for r in range(world)
     )
     bundle: dict[str, float] = (
-        {"GPU": 1.0, "CPU": float(cpus_per_rank)} if gpu else {"CPU": float(cpus_per_rank)}
+        {"GPU": float(gpus_per_rank), "CPU": float(cpus_per_rank)}
+        if gpu
+        else {"CPU": float(cpus_per_rank)}
     )
     plan = PlacementPlan(
         world_size=world,
@@ -259,6 +272,7 @@ def plan_run(cfg: Any, *, available_gpus: int | None = None) -> PlacementPlan:
         cfg.rollout,
         gpus_per_node=cfg.ray.gpus_per_node,
         cpus_per_rank=cfg.ray.cpus_per_trainer,
+        gpus_per_rank=cfg.ray.gpus_per_trainer,
         available_gpus=available_gpus,
     )
 

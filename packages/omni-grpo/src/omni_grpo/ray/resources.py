@@ -52,7 +52,7 @@ def actor_requests(plan: PlacementPlan, cfg: Any) -> list[ActorRequest]:
             float(plan.bundles[0].get("CPU", 0.0)) if plan.bundles else 0.0,
             float(plan.bundles[0].get("GPU", 0.0)) if plan.bundles else 0.0,
             "ray.cpus_per_trainer",
-            "trainer.device (one GPU per trainer rank)",
+            "ray.gpus_per_trainer",
             "trainer.world_size",
         )
     ]
@@ -63,9 +63,9 @@ def actor_requests(plan: PlacementPlan, cfg: Any) -> list[ActorRequest]:
                 "rollout actor",
                 actors,
                 float(cfg.rollout.embedded.cpus_per_actor),
-                1.0 if plan.device == "GPU" else 0.0,
+                float(cfg.rollout.embedded.gpus_per_actor) if plan.device == "GPU" else 0.0,
                 "rollout.embedded.cpus_per_actor",
-                "trainer.device (one GPU per rollout actor)",
+                "rollout.embedded.gpus_per_actor",
                 "rollout.embedded.actors",
             )
         )
@@ -110,7 +110,7 @@ def check_resources(
                     f"more than {_fmt(most[kind])} ({where}); lower {fld} or give Ray more"
                 )
     if plan.strategy == "STRICT_PACK" and plan.bundles:
-        for kind, fld in (("CPU", "ray.cpus_per_trainer"), ("GPU", "trainer.world_size")):
+        for kind, fld in (("CPU", "ray.cpus_per_trainer"), ("GPU", "ray.gpus_per_trainer")):
             need = sum(float(b.get(kind, 0.0)) for b in plan.bundles)
             if kind in most and need > most[kind]:
                 raise PlacementError(
