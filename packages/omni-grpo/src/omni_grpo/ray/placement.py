@@ -293,8 +293,10 @@ def format_plan(plan: PlacementPlan, cfg: Any | None = None) -> str:
         f"{plan.world_size} x {plan.bundles[0] if plan.bundles else {}}",
         "  rank  node  gpu  tp  dp  ep  expert_dp",
     ]
+    if plan.shares_gpus:  # Ray places fractional actors; several may sit on one device
+        lines[-1] += f"  (gpu: a {plan.bundles[0]['GPU']:g} share, placed by Ray)"
     for r in plan.ranks:
-        gpu = str(r.local_rank) if plan.device == "GPU" else "-"
+        gpu = str(r.local_rank) if plan.device == "GPU" and not plan.shares_gpus else "-"
         lines.append(
             f"  {r.rank:>4}  {r.node_slot:>4}  {gpu:>3}  {r.tp_rank:>2}  {r.dp_rank:>2}  "
             f"{r.ep_rank:>2}  {r.expert_dp_rank:>9}"
@@ -308,8 +310,11 @@ def format_plan(plan: PlacementPlan, cfg: Any | None = None) -> str:
         lines.append("  slot  role      gpus  thinker_tp  rank_offset  url")
         for i, s in enumerate(plan.servers):
             url = s.url or "(reported at launch)"
+            gpus = f"{s.gpus}"
+            if s.role == "embedded" and plan.device == "GPU" and cfg is not None:
+                gpus = f"{cfg.rollout.embedded.gpus_per_actor:g}"  # an actor's own request
             lines.append(
-                f"  {i:>4}  {s.role:<8}  {s.gpus:>4}  {s.thinker_tp:>10}  {s.rank_offset:>11}  {url}"
+                f"  {i:>4}  {s.role:<8}  {gpus:>4}  {s.thinker_tp:>10}  {s.rank_offset:>11}  {url}"
             )
     elif cfg is not None:
         lines.append(f"rollout: engine {cfg.rollout.engine} in the trainer process")
