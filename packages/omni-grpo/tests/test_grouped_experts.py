@@ -130,3 +130,55 @@ def test_padding_to_16_bytes_keeps_the_product() -> None:
     torch.testing.assert_close(grouped_mm(xp, wp, offs)[:, :n], grouped_mm(x, w, offs))
     aligned = torch.randn(3, 16, 8, generator=gen)
     assert pad_to_16_bytes(xp, aligned)[1] is aligned  # nothing to pad: the same tensors
+
+
+def test_the_triton_decode_route_is_taken_only_where_nothing_backpropagates() -> None:
+    """``decode_plan``: the Triton kernel for generation's grouped products on CUDA bf16 up to
+    ``DECODE_ROWS`` routed rows; torch's (or the CPU loop) for everything else."""
+    from omni_grpo.models.grouped_experts import DECODE_ROWS, decode_plan
+
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    with torch.no_grad():
+        assert decode_plan(torch.randn(7, 8).bfloat16(), offs) is None  # CPU
+    if not torch.cuda.is_available():
+        return
+    x, offs = torch.randn(7, 8, device="cuda").bfloat16(), offs.cuda()
+    assert decode_plan(x, offs) is None  # grad enabled: the training forward
+    with torch.no_grad():
+        assert decode_plan(x, offs) is not None
+        assert decode_plan(x.float(), offs) is None
+        big = torch.randn(DECODE_ROWS + 1, 8, device="cuda").bfloat16()
+        assert (
+            decode_plan(big, offs.new_tensor([DECODE_ROWS + 1, DECODE_ROWS + 1, DECODE_ROWS + 1]))
+            is None
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+def test_the_triton_decode_route_equals_torchs_grouped_gemm(tokens: int) -> None:
+    """Generation's expert products through the Triton kernel equal torch's grouped GEMM (same
+    fp32 accumulation, bf16 out: within one bf16 rounding), base and rank-16 adapters, the
+    model's layouts (``[E, 2I, H]`` and ``[E, H, I]`` used transposed), empty experts included."""
+    from omni_grpo.models.grouped_experts import _lora_linear, decode_plan, sort_by_expert
+
+    torch.manual_seed(0)
+    experts, hidden, inter, rank = 32, 256, 96, 16
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda").bfloat16() * 0.05
+    down = torch.randn(experts, hidden, inter, device="cuda").bfloat16() * 0.05
+    lora_gu = (
+        torch.randn(experts, hidden, rank, device="cuda").bfloat16() * 0.05,
+        torch.randn(experts, rank, 2 * inter, device="cuda").bfloat16() * 0.05,
+    )
+    index = torch.stack([torch.randperm(experts // 2, device="cuda")[:4] for _ in range(tokens)])
+    _, perm, offs = sort_by_expert(index, experts)
+    x = torch.randn(tokens * 4, hidden, device="cuda").bfloat16()
+    with torch.no_grad():
+        plan = decode_plan(x, offs)
+        assert plan is not None
+        for w, lora in ((gate_up, lora_gu), (down, None)):
+            xi = x if w is gate_up else torch.randn(tokens * 4, inter, device="cuda").bfloat16()
+            got = _lora_linear(xi, w, False, offs, lora, plan)
+            want = _lora_linear(xi, w, False, offs, lora, None)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)

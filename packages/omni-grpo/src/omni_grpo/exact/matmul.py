@@ -24,18 +24,10 @@ import triton
 import triton.language as tl
 
 from omni_grpo.exact.switch import torch_kernels_on
+from omni_grpo.models.grouped_gemm import NUM_STAGES, NUM_WARPS, tiles
 
 # One config per (K, N) class; BLOCK_M never depends on M (64 rows: one warpgroup's wgmma).
 BLOCK_M = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
-
-
-def tiles(k: int, n: int) -> tuple[int, int]:
-    """``(BLOCK_N, BLOCK_K)`` for a product with reduction ``k`` and ``n`` output columns."""
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    return block_n, block_k
 
 
 @cache

@@ -45,12 +45,41 @@ def pad_to_16_bytes(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tor
     return x, w, n
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+# Routed rows (tokens x top_k) up to which generation's grouped products take the Triton kernel
+# (``models.grouped_gemm``), a decode step's: on the H200 it ran them near the copy-bandwidth
+# limit where torch's took 1.4-2x as long, and the rank-16 adapter products in 4-7 us against
+# 18-56; at 16,384 rows (a prefill's size) torch's base products were the faster (380 vs 436 us).
+DECODE_ROWS = 4096
+
+
+def decode_plan(x: torch.Tensor, offs: torch.Tensor) -> Any:
+    """The Triton kernel's tile map for a block's grouped products, or None for torch's.
+
+    Only where nothing backpropagates (generation: a decode step, a short prefill) on CUDA in
+    bf16: the training forward keeps torch's kernel and its autograd. One map serves the block's
+    six products (the same rows and offsets); it is ~20 small kernels, so it is made once."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or torch.is_grad_enabled():
+        return None
+    if x.shape[0] > DECODE_ROWS:
+        return None
+    from omni_grpo.models.grouped_gemm import tile_map
+
+    return tile_map(offs, x.shape[0])
+
+
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: Any = None
+) -> torch.Tensor:
     """``out[rows of group g] = x[rows of group g] @ w[g]`` with ``offs`` the groups' cumulative ends.
 
-    CUDA bf16: torch's grouped GEMM (one launch, no host sync: CUDA-graph capturable). Elsewhere
-    (the CPU tests, fp32) a loop over the groups, which reads the offsets back to the host.
+    ``plan`` (:func:`decode_plan`): the Triton kernel. Else, CUDA bf16: torch's grouped GEMM (one
+    launch, no host sync: CUDA-graph capturable). Elsewhere (the CPU tests, fp32) a loop over the
+    groups, which reads the offsets back to the host.
     """
+    if plan is not None:
+        from omni_grpo.models.grouped_gemm import gmm
+
+        return gmm(x.to(w.dtype), w, offs, plan)
     if x.is_cuda and w.dtype == torch.bfloat16:
         fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         x, w, n = pad_to_16_bytes(x.to(w.dtype), w)
@@ -116,12 +145,13 @@ def _lora_linear(
     transposed: bool,
     offs: torch.Tensor,
     lora: tuple[torch.Tensor, torch.Tensor] | None,
+    plan: Any = None,
 ) -> torch.Tensor:
     """``x W_e (+ (x A_e^T) (scale B_e^T))`` for rows grouped by expert."""
-    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs)
+    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs, plan)
     if lora is not None:
         a_t, b_t = lora
-        out = out + grouped_mm(grouped_mm(x, a_t, offs), b_t, offs)
+        out = out + grouped_mm(grouped_mm(x, a_t, offs, plan), b_t, offs, plan)
     return out
 
 
@@ -197,14 +227,19 @@ def grouped_lora_experts_forward(
     perm, inv, offs = sort_by_expert(top_k_index, num_experts)
     x = ExpandSorted.apply(hidden_states.to(dtype), perm // top_k, inv, top_k)
     transposed = bool(getattr(experts, "is_transposed", False))
-    gate_up = _lora_linear(x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"))
+    plan = decode_plan(x, offs)
+    gate_up = _lora_linear(
+        x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"), plan
+    )
     apply_gate = getattr(experts, "_apply_gate", None)
     if apply_gate is not None:
         h = apply_gate(gate_up)
     else:
         gate, up = gate_up.chunk(2, dim=-1)
         h = experts.act_fn(gate) * up
-    out = _lora_linear(h.to(dtype), experts.down_proj, transposed, offs, lora.get("down_proj"))
+    out = _lora_linear(
+        h.to(dtype), experts.down_proj, transposed, offs, lora.get("down_proj"), plan
+    )
     pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, hidden)
     weights = top_k_weights.to(pairs.dtype).view(num_tokens, 1, top_k)
     return torch.bmm(weights, pairs).view(num_tokens, hidden).to(hidden_states.dtype)
