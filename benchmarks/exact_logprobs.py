@@ -10,8 +10,6 @@ after step 1 and ``on_over_off`` (target >= 0.85). The setup: docs/exact-logprob
 """
 
 import gc
-import json
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,7 +72,7 @@ def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[
             row["by_modality"] = {m: {"differ": b, "tokens": n} for m, (b, n) in totals.items()}
             totals.clear()
         steps.append(row)
-        print(json.dumps({"mode": mode, "exact": exact, "step": row}), file=sys.stderr, flush=True)
+        harness.progress({"mode": mode, "exact": exact, "step": row})
     if args.profile:  # one more generation and update, not timed: where their GPU time goes
         out, tag = Path(args.profile), f"{mode}_{'on' if exact else 'off'}"
         out.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,6 @@ a training batch, and the time at both sizes (docs/benchmarks.md, "Methods").
     python benchmarks/exact_ops.py            # needs CUDA
 """
 
-import json
-import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -234,5 +232,5 @@ if __name__ == "__main__":
             result[name] = fn(dev)
         except Exception as err:  # report the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
-        print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
+        harness.progress({name: result[name]})
     harness.emit("exact_ops", result, args.save)

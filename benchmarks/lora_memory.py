@@ -10,11 +10,9 @@ docs/one-gpu-lora.md, "The memory model (measured)".
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -93,14 +91,14 @@ def child(layers: int) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t = time.perf_counter()
-    result = harness.rerun("--child", str(layers), check=False, env=env)
+    result = harness.rerun(str(layers), check=False, env=env)
     if "error" in result:
         tail = result.pop("stderr_tail")[-6:]
         oom = any("OutOfMemoryError" in x or "out of memory" in x for x in tail)
         result = {"layers": layers, **result, "oom": oom, "tail": tail}
     else:
         result["process_s"] = round(time.perf_counter() - t, 1)
-    print(json.dumps({"run": result}), file=sys.stderr, flush=True)  # kept if a later one hangs
+    harness.progress({"run": result})
     return result
 
 
@@ -112,12 +110,10 @@ if __name__ == "__main__":
     harness.add_options(ap, deep_fallback="40,32,24", prompts=8, group=8, max_new_tokens=512)
     harness.add_options(ap, image_size=448, rank=16, alpha=32.0, targets="attention,experts")
     harness.add_options(ap, kl_coef=0.01, no_checkpointing=False, steps=2, seed=0)
-    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(4)
-    if args.child is not None:
-        print(json.dumps(run_depth(args, args.child)), flush=True)
-        sys.exit()
+    if args.side is not None:  # a child: one depth
+        harness.reply(run_depth(args, int(args.side)))
     (work := Path(args.work)).mkdir(parents=True, exist_ok=True)
     if not args.skeleton:
         released.make_skeleton(work / "skeleton")

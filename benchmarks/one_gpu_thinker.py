@@ -24,7 +24,6 @@ peft); ``--profile``.
 import argparse
 import contextlib
 import gc
-import json
 import os
 import sys
 from functools import partial
@@ -197,7 +196,7 @@ if __name__ == "__main__":
             rec["variable_roofline_ratio"] = round(engine_roofline_s / gen.s, 4)
             rec["peak_gib"] = round(harness.peak_bytes(device) / harness.GIB, 2) if cuda else None
             by_engine[name] = rec | ({"partial": stats} if stats else {})
-            print(json.dumps({name: by_engine[name]}), file=sys.stderr, flush=True)
+            harness.progress({name: by_engine[name]})
         gen_s = gen.s  # the last engine's rollout is the one trained on
         lengths = [len(c.token_ids) for gr in groups for c in gr]
         adv = rig.advantages(groups, args.group)
@@ -231,7 +230,7 @@ if __name__ == "__main__":
         for k in ("pearson", "abs_diff", "exact_fraction"):
             step[f"logprob_{k}"] = metrics.get(f"train_rollout_logprob_{k}")
         steps.append(step | {"skipped_step": metrics.get("skipped_step")})
-        print(json.dumps({"step": steps[-1]}), file=sys.stderr, flush=True)
+        harness.progress({"step": steps[-1]})
     if args.profile:  # one more update, then 64 new tokens of eager generation (a CUDA graph's
         # kernels are not traced one by one), media encoded as in a timed step: <dst>.generation.txt
         dst, batch = Path(args.profile), GRPOBatch(groups, adv, temperature=sampling.temperature)
