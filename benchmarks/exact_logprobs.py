@@ -35,8 +35,7 @@ def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[
         torch.manual_seed(1)
         rig.real_audio_tower(thinker, skeleton / "audio", device, torch.bfloat16)
         builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
-        sized = (args.prompts, KINDS, args.image_size, "Describe it in detail.")
-        _, _, prompts = rig.samples(Path(args.work), builder, *sized)
+        _, _, prompts = rig.samples(Path(args.work), builder, args, KINDS, "Describe it in detail.")
         eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
         spec = {"rank": 16, "alpha": 32.0, "targets": ["attention", "experts"]}
         lora = LoraConfig(**spec) if mode == "lora" else None

@@ -49,8 +49,7 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         torch.cuda.empty_cache()
         after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / harness.GIB
     builder = PromptBuilder(vl_dir, DataConfig(image_max_pixels=args.image_size**2))
-    sized = (args.prompts, ("image",), args.image_size, "Describe the colours in detail.")
-    _, _, prompts = rig.samples(work, builder, *sized)
+    _, _, prompts = rig.samples(work, builder, args, ("image",), "Describe the colours in detail.")
     eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
     ckpt = {"micro_batch_size": args.group, "gradient_checkpointing": not args.no_checkpointing}

@@ -121,8 +121,7 @@ if __name__ == "__main__":
         torch.cuda.empty_cache()
     builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
     tok, kinds, question = builder.tokenizer, ("image", "audio", "video"), "Describe it in detail."
-    sized = (args.prompts, kinds, args.image_size, question, args.long_prompts)
-    samples, images, prompts = rig.samples(work, builder, *sized)
+    samples, images, prompts = rig.samples(work, builder, args, kinds, question)
     if args.write_run:  # before the trainer wraps the module with its adapters
         made = (args.write_run, thinker, vl_dir, skeleton, samples, images, args)
         print(f"omni-grpo train --config {cli_run.write_run(*made)}", file=sys.stderr, flush=True)
