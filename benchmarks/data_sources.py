@@ -77,10 +77,8 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
                 table.loaded.fetch(m)
         fastest["parquet"] = min(fastest["parquet"], t.s / len(table_items))
     us = {"file_resolve_read_us": fastest["file"], "parquet_fetch_us": fastest["parquet"]}
-    out["media_access"] = {k: round(v * 1e6, 1) for k, v in us.items()}
-    out["media_access"]["ratio_speed_parquet_vs_file"] = round(
-        fastest["file"] / fastest["parquet"], 3
-    )
+    speed = {"ratio_speed_parquet_vs_file": round(fastest["file"] / fastest["parquet"], 3)}
+    out["media_access"] = {k: round(v * 1e6, 1) for k, v in us.items()} | speed
     for order, r in best.items():
         out[order] = {f"{k}_rows_per_s": round(r[k], 2) for k in ("jsonl", "parquet")}
         out[order]["ratio_parquet_vs_jsonl"] = round(r["parquet"] / r["jsonl"], 3)

@@ -47,7 +47,6 @@ if __name__ == "__main__":
     args = ck.options(__doc__, "export").parse_args()
     work, shard = args.workdir, args.shard_mb * 1000**2
     base, run = work / "omni-base", work / "run"
-    work.mkdir(parents=True, exist_ok=True)
     if not (run / "config.yaml").exists() or not (base / "bench_facts.json").exists():
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)

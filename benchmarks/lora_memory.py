@@ -123,14 +123,13 @@ if __name__ == "__main__":
     runs = [child(d) for d in depths]
     ok = [r for r in runs if "error" not in r]
     models: dict[str, Any] = {}
-    key = "allocated_gib" if args.device == "cuda" else "max_rss_gib"
-    if len(ok) >= 2:
-        for k in [key, "reserved_gib"] if args.device == "cuda" else [key]:
-            points = [(r["layers"], r["peak_step"][k]) for r in ok]  # peak = a + b * layers
-            slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
-            resid = max(abs(intercept + slope * x - y) for x, y in points)
-            f = {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
-            models[k] = f | {"projected_48_gib": intercept + released.LAYERS * slope}
+    keys = ["allocated_gib", "reserved_gib"] if args.device == "cuda" else ["max_rss_gib"]
+    for k in keys if len(ok) >= 2 else []:  # a line needs two depths
+        points = [(r["layers"], r["peak_step"][k]) for r in ok]  # peak = a + b * layers
+        slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+        resid = max(abs(intercept + slope * x - y) for x, y in points)
+        f = {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
+        models[k] = f | {"projected_48_gib": intercept + released.LAYERS * slope}
     deep: dict[str, Any] | None = None
     if args.deep:
         fallback = [int(x) for x in args.deep_fallback.split(",") if x and int(x) < args.deep]

@@ -216,9 +216,8 @@ if __name__ == "__main__":
             var_roofline_s = roofline_s
         arr = np.asarray(lengths, dtype=float)  # completion-length percentiles, mean and max
         percentiles = {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
-        step = {"batching": by_engine}
         percentiles |= {"mean": float(arr.mean()), "max": float(arr.max())}
-        step["completion_lengths"] = percentiles
+        step = {"batching": by_engine, "completion_lengths": percentiles}
         step |= {"variable_roofline_s": round(var_roofline_s, 3), "generation_s": round(gen_s, 3)}
         for phase in ("reference", "policy"):
             step[f"{phase}_s"] = round(metrics.get(f"time_{phase}_s", float("nan")), 3)
