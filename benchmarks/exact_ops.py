@@ -140,19 +140,14 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
         x, w = torch.randn(rows, width, **bf16), torch.rand(width, **bf16)
         out[name] = _compare(rms, x, shared=(w,))
     z, tg = torch.randn(1024, VOCAB, device=dev) * 3, torch.randint(0, VOCAB, (1024,), device=dev)
-
-    def torch_lp(a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(a, -1).gather(-1, t[:, None])[:, 0]
-
-    out["token_logprob"] = _compare((("torch", torch_lp), ("exact", rw.token_logprobs)), z, tg)
+    torch_lp = ("torch", lambda a, t: torch.log_softmax(a, -1).gather(-1, t[:, None])[:, 0])
+    out["token_logprob"] = _compare((torch_lp, ("exact", rw.token_logprobs)), z, tg)
     r = torch.randn(TRAIN_ROWS, EXPERTS, device=dev).to(torch.bfloat16)
     softmax = (("torch", partial(torch.softmax, dim=-1, dtype=torch.float)), ("exact", rw.softmax))
     out["router_softmax"] = _compare(softmax, r, bench=False)
     pairs = torch.randn(TRAIN_ROWS, TOP_K, HIDDEN, **bf16)
     wts = torch.rand(TRAIN_ROWS, TOP_K, device=dev).to(torch.bfloat16)
-
-    def bmm_sum(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(w.view(-1, 1, TOP_K), p).view(-1, HIDDEN)
+    bmm_sum = ("torch_bmm", lambda p, w: torch.bmm(w.view(-1, 1, TOP_K), p).view(-1, HIDDEN))
 
     def slot_sum(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         acc = p[:, 0].float() * w[:, 0:1].float()
@@ -160,7 +155,7 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
             acc = acc + p[:, s].float() * w[:, s : s + 1].float()
         return acc.to(p.dtype)
 
-    out["topk_weighted_sum"] = _compare((("torch_bmm", bmm_sum), ("exact", slot_sum)), pairs, wts)
+    out["topk_weighted_sum"] = _compare((bmm_sum, ("exact", slot_sum)), pairs, wts)
     return out
 
 
