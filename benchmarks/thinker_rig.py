@@ -127,16 +127,10 @@ def write_images(root: Path, n: int, size: int) -> list[Path]:
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
-    """Media loaders of :func:`chirp` (also each video's sound) and :func:`video`; the limits."""
-
-    def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
-        return chirp(args.audio_seconds)
-
-    def clip(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
-        return VideoClip(*video(args))
-
-    prompt_mod.load_audio, prompt_mod.load_video = audio, clip
-    prompt_mod.load_video_audio = audio  # a video's own sound track (use_audio_in_video)
+    """Media loaders of :func:`chirp` (also each video's own sound track: use_audio_in_video) and
+    :func:`video`, whatever they are asked for; the limits."""
+    prompt_mod.load_audio = prompt_mod.load_video_audio = lambda *_, **__: chirp(args.audio_seconds)
+    prompt_mod.load_video = lambda *_, **__: VideoClip(*video(args))
     return DataConfig(**media_limits(args))
 
 
