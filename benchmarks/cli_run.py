@@ -79,8 +79,7 @@ def write_run(
     cfg["rollout"]["exact_logprobs"] = bool(args.exact_logprobs)
     cfg["rollout"].pop("eval_sampling", None)
     cfg.pop("eval", None)
-    lora = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets.split(",")}
-    cfg["trainer"]["lora"].update(lora)
+    cfg["trainer"]["lora"].update(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
     if device.type != "cuda":  # the CPU check of this writer: no compile, fp32
         cfg["trainer"].update(device="cpu", compile=False)
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -102,8 +102,7 @@ if __name__ == "__main__":
     ap.add_argument("--exact-logprobs", action=argparse.BooleanOptionalAction)  # None: auto
     harness.add_options(ap, batching=("static", "continuous", "both"), static_batch_rows=512)
     harness.add_options(ap, long_prompts=False, generation_only=False, write_run=Path)
-    harness.add_options(ap, trl_warmup=1, profile=str)
-    args = ap.parse_args()
+    args = harness.add_options(ap, trl_warmup=1, profile=str).parse_args()
     args.audio_seconds = args.audio_seconds or (60.0 if args.long_prompts else 30.0)
     args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
     harness.torch_threads(4)

@@ -46,8 +46,7 @@ def raw_broadcast(tensors: list, bucket_bytes: int, backend: str, device: str, o
 
 if __name__ == "__main__":
     backends = ("nccl", "gloo") if torch.cuda.device_count() >= 2 else ("gloo", "nccl")
-    ap = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3, backend=backends)
-    args = ap.parse_args()
+    args = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3, backend=backends).parse_args()
     mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
     device = "cuda:0" if args.backend == "nccl" else "cpu"
     # Qwen3-MoE-shaped layers (hidden 1024, 16 experts of 512) until ~--mb MiB
