@@ -42,9 +42,8 @@ QUESTION = "What is shown here? Describe the colours, then answer in one word."
 # 0.2 / 0.28, no KL, group-std advantages, plain sampling; logging only, no saves
 TRL_MATCHED = dict(lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, beta=0.0)
 TRL_MATCHED |= dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group")
-TRL_MATCHED |= dict(temperature=1.0, top_p=1.0, top_k=0, max_grad_norm=1.0, logging_steps=1)
-TRL_MATCHED |= dict(report_to="none", save_strategy="no", shuffle_dataset=False)
-TRL_MATCHED |= dict(dataloader_num_workers=0)
+TRL_MATCHED |= dict(temperature=1.0, top_p=1.0, top_k=0, logging_steps=1, dataloader_num_workers=0)
+TRL_MATCHED |= dict(report_to="none", save_strategy="no", shuffle_dataset=False, max_grad_norm=1.0)
 
 
 def reward_text(text: str) -> float:
