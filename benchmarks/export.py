@@ -38,9 +38,8 @@ def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
     files = ck.write_shards(ckpt, trained, file_bytes, "model-rank{i:05d}.safetensors", 1, True)
     (ckpt / "state.json").write_text(json.dumps({"format": 1, "step": 1}))
     (run_dir / "config.yaml").write_text(f"model:\n  omni_checkpoint: {base}\n")
-    nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     out = {"trained_tensors": len(trained), "trained_files": len(set(files.values()))}
-    return out | {"trained_bytes": nbytes}
+    return out | {"trained_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))}
 
 
 if __name__ == "__main__":

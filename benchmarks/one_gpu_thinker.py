@@ -207,10 +207,9 @@ if __name__ == "__main__":
             peak = max(peak, harness.peak_bytes(device) / harness.GIB)
         new_tokens = sum(lengths)
         train_seqs = [len(c.prompt.input_ids) + len(c.token_ids) for gr in groups for c in gr]
-        fwd = roofline.forward_flops(sizes, train_seqs, new_tokens)
         # reference + policy forward + activation-gradient backward, and the recompute
         recompute = roofline.recompute_flops(sizes, train_seqs, new_tokens, args.checkpoint_policy)
-        update_flops = fwd * 3 + recompute
+        update_flops = roofline.forward_flops(sizes, train_seqs, new_tokens) * 3 + recompute
         if args.lengths == "uniform":
             var_roofline_s = roofline_s
         arr = np.asarray(lengths, dtype=float)  # completion-length percentiles, mean and max

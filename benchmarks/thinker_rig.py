@@ -179,8 +179,7 @@ def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = F
     if tok is not None:
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
     kw["autocast_dtype"] = torch.bfloat16 if device.type == "cuda" else None
-    banned = media_token_ids(thinker) + ([] if stop else eos)
-    kw["banned_token_ids"] = banned
+    kw["banned_token_ids"] = media_token_ids(thinker) + ([] if stop else eos)
     return EmbeddedEngine(thinker, eos if stop else [], device=device, **kw)
 
 
