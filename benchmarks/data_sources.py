@@ -153,7 +153,7 @@ if __name__ == "__main__":
     ap = harness.parser(__doc__, rows_per_task=40, repeats=5, stream_gb=2.2, tmp=Path)
     args = ap.parse_args()
     harness.torch_threads(1)
-    if args.side:  # a child: child_stream(spec, model_dir, limit)
+    if args.side is not None:  # a child: child_stream(spec, model_dir, limit)
         harness.reply(child_stream(*json.loads(args.side)))
     if args.tmp is not None:  # e.g. --tmp /tmp/bench on a fresh machine: make it, as -p would
         args.tmp.mkdir(parents=True, exist_ok=True)
