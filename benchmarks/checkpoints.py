@@ -218,4 +218,4 @@ def _child_main(kind: str, src: str, dst: str, shard: str = "0") -> dict[str, An
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child_main(*sys.argv[1:])))
+    harness.reply(_child_main(*sys.argv[1:]))

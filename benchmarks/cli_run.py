@@ -33,14 +33,10 @@ def write_run(
     dst, device, config = Path(dst), torch.device(args.device), Path(dst) / "train.yaml"
     # the weights under vl_dir's files (its config.json carries the sideband, not theirs)
     thinker.vl.save_pretrained(dst / "vl", max_shard_size="4GB")
-    for f in vl_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, dst / "vl" / f.name)
+    weights = thinker_rig.WEIGHTS
+    shutil.copytree(vl_dir, dst / "vl", ignore=weights, dirs_exist_ok=True)
     # the frozen audio tower (the rig's or the skeleton's) as an extracted audio directory
-    (dst / "audio").mkdir(parents=True, exist_ok=True)
-    for f in (skeleton / "audio").iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / "audio" / f.name)
+    shutil.copytree(skeleton / "audio", dst / "audio", ignore=weights, dirs_exist_ok=True)
     tower = thinker.audio.tower
     module = tower.module(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     state = {f"audio_tower.{k}": v.cpu().contiguous() for k, v in module.state_dict().items()}
@@ -83,8 +79,7 @@ def write_run(
     cfg["rollout"]["exact_logprobs"] = bool(args.exact_logprobs)
     cfg["rollout"].pop("eval_sampling", None)
     cfg.pop("eval", None)
-    lora = {"rank": args.rank, "alpha": args.alpha, "targets": args.targets.split(",")}
-    cfg["trainer"]["lora"].update(lora)
+    cfg["trainer"]["lora"].update(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
     if device.type != "cuda":  # the CPU check of this writer: no compile, fp32
         cfg["trainer"].update(device="cpu", compile=False)
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -6,12 +6,10 @@ more than ``--stream-gb`` GB streamed in a child against other layouts: docs/ben
     uv run python benchmarks/data_sources.py [--rows-per-task 40] [--stream-gb 2.2] [--tmp DIR]
 """
 
-import argparse
 import io
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -79,10 +77,8 @@ def throughput(tmp: Path, model_dir: Path, rows_per_task: int, repeats: int) -> 
                 table.loaded.fetch(m)
         fastest["parquet"] = min(fastest["parquet"], t.s / len(table_items))
     us = {"file_resolve_read_us": fastest["file"], "parquet_fetch_us": fastest["parquet"]}
-    out["media_access"] = {k: round(v * 1e6, 1) for k, v in us.items()}
-    out["media_access"]["ratio_speed_parquet_vs_file"] = round(
-        fastest["file"] / fastest["parquet"], 3
-    )
+    speed = {"ratio_speed_parquet_vs_file": round(fastest["file"] / fastest["parquet"], 3)}
+    out["media_access"] = {k: round(v * 1e6, 1) for k, v in us.items()} | speed
     for order, r in best.items():
         out[order] = {f"{k}_rows_per_s": round(r[k], 2) for k in ("jsonl", "parquet")}
         out[order]["ratio_parquet_vs_jsonl"] = round(r["parquet"] / r["jsonl"], 3)
@@ -150,18 +146,15 @@ def stream(spec: Path, model_dir: Path, limit: int = 0) -> dict[str, Any]:
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    argv = [sys.executable, __file__, "--child", str(spec), str(model_dir), str(limit)]
-    return harness.child_json(argv)
+    return harness.rerun(json.dumps([str(spec), str(model_dir), limit]))
 
 
 if __name__ == "__main__":
     ap = harness.parser(__doc__, rows_per_task=40, repeats=5, stream_gb=2.2, tmp=Path)
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(1)
-    if args.child:
-        print(json.dumps(child_stream(args.child[0], args.child[1], int(args.child[2]))))
-        sys.exit()
+    if args.side is not None:  # a child: child_stream(spec, model_dir, limit)
+        harness.reply(child_stream(*json.loads(args.side)))
     if args.tmp is not None:  # e.g. --tmp /tmp/bench on a fresh machine: make it, as -p would
         args.tmp.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="omni-grpo-data-bench-", dir=args.tmp))

@@ -8,9 +8,7 @@ same run (docs/benchmarks.md, "Methods").
     python benchmarks/decode_attention.py                     # H200
 """
 
-import json
 import statistics
-import sys
 from functools import partial
 from typing import Any
 
@@ -65,5 +63,5 @@ if __name__ == "__main__":
             got = decode_attention_kernel(q, keys[0], values[0], start, slot, DIM**-0.5)
             case["kernel_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
             out["cases"].append(case)
-            print(json.dumps(case), file=sys.stderr, flush=True)
+            harness.progress(case)
     harness.emit("decode_attention", out, args.save)

@@ -143,7 +143,7 @@ def sweep(order: list[tuple[str, int, int]], configs: dict, work: Path | None) -
             for kind, s, t in order:
                 config, extra = configs[kind]
                 runs[kind].append(run_one(config, tmp, f"{kind}_s{s}_t{t}", s, t, extra))
-                print(json.dumps({kind: runs[kind][-1]}), file=sys.stderr, flush=True)
+                harness.progress({kind: runs[kind][-1]})
         except KeyboardInterrupt:
             return runs, True
     return runs, False

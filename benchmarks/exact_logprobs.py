@@ -10,8 +10,6 @@ after step 1 and ``on_over_off`` (target >= 0.85). The setup: docs/exact-logprob
 """
 
 import gc
-import json
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,8 +35,7 @@ def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[
         torch.manual_seed(1)
         rig.real_audio_tower(thinker, skeleton / "audio", device, torch.bfloat16)
         builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
-        sized = (args.prompts, KINDS, args.image_size, "Describe it in detail.")
-        _, _, prompts = rig.samples(Path(args.work), builder, *sized)
+        _, _, prompts = rig.samples(Path(args.work), builder, args, KINDS, "Describe it in detail.")
         eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
         spec = {"rank": 16, "alpha": 32.0, "targets": ["attention", "experts"]}
         lora = LoraConfig(**spec) if mode == "lora" else None
@@ -74,7 +71,7 @@ def run_one(args: Any, cfg: dict, vl_dir: Path, mode: str, exact: bool) -> dict[
             row["by_modality"] = {m: {"differ": b, "tokens": n} for m, (b, n) in totals.items()}
             totals.clear()
         steps.append(row)
-        print(json.dumps({"mode": mode, "exact": exact, "step": row}), file=sys.stderr, flush=True)
+        harness.progress({"mode": mode, "exact": exact, "step": row})
     if args.profile:  # one more generation and update, not timed: where their GPU time goes
         out, tag = Path(args.profile), f"{mode}_{'on' if exact else 'off'}"
         out.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,6 @@ a training batch, and the time at both sizes (docs/benchmarks.md, "Methods").
     python benchmarks/exact_ops.py            # needs CUDA
 """
 
-import json
-import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -41,6 +39,13 @@ def _bench_graph(fn: Callable[[], Any]) -> float:
 
 def _equal_rows(part: torch.Tensor, full: torch.Tensor) -> float:
     return float((part == full).reshape(part.shape[0], -1).all(-1).float().mean())
+
+
+def _by_expert(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs of ``ids`` [tokens, k] sorted by expert: their order (pair p =
+    token * k + slot) and each expert's end offset."""
+    e, perm = torch.sort(ids.reshape(-1), stable=True)
+    return perm, torch.cumsum(torch.bincount(e, minlength=EXPERTS), 0).to(torch.int32)
 
 
 def linears(dev: torch.device) -> dict[str, Any]:
@@ -77,16 +82,9 @@ def grouped(dev: torch.device) -> dict[str, Any]:
         w = (torch.randn(EXPERTS, n, k, device=dev) / k**0.5).to(torch.bfloat16).transpose(1, 2)
         x = torch.randn(TRAIN_ROWS, k, device=dev, dtype=torch.bfloat16)
         ids = torch.rand(TRAIN_ROWS, EXPERTS, device=dev).topk(TOP_K, -1).indices
-
-        def layout(tokens: int, ids: torch.Tensor = ids, x: torch.Tensor = x) -> tuple:
-            """The first ``tokens`` tokens' (token, expert) pairs sorted by expert: rows, offsets."""
-            e, perm = torch.sort(ids[:tokens].reshape(-1), stable=True)
-            offsets = torch.cumsum(torch.bincount(e, minlength=EXPERTS), 0).to(torch.int32)
-            return x[perm // TOP_K], offsets, perm
-
         row: dict[str, Any] = {"k": k, "n": n}
-        xs_t, offs_t, perm_t = layout(TRAIN_ROWS)
-        xs_d, offs_d, perm_d = layout(DECODE_ROWS)
+        (perm_t, offs_t), (perm_d, offs_d) = _by_expert(ids), _by_expert(ids[:DECODE_ROWS])
+        xs_t, xs_d = x[perm_t // TOP_K], x[perm_d // TOP_K]
         # the decode pairs inside the training layout: pair p = token * k + slot
         pos_t = torch.empty_like(perm_t)
         pos_t[perm_t] = torch.arange(perm_t.numel(), device=dev)
@@ -101,9 +99,7 @@ def grouped(dev: torch.device) -> dict[str, Any]:
     # a decode step's expert LoRA term (x A^T) B^T of gate_up and down (rank 16), grouped, with
     # torch's grouped GEMM (off) and the exact one (on): GPU ms per layer
     rank, lora_decode = 16, {}
-    ids = torch.rand(DECODE_ROWS, EXPERTS, device=dev).topk(TOP_K, -1).indices.reshape(-1)
-    e, perm = torch.sort(ids, stable=True)
-    offs = torch.cumsum(torch.bincount(e, minlength=EXPERTS), 0).to(torch.int32)
+    perm, offs = _by_expert(torch.rand(DECODE_ROWS, EXPERTS, device=dev).topk(TOP_K, -1).indices)
     for name, (k, n) in {"gate_up": (HIDDEN, 2 * EXPERT_FFN), "down": (EXPERT_FFN, HIDDEN)}.items():
         x = torch.randn(perm.numel(), k, device=dev, dtype=torch.bfloat16)
         a_t = torch.randn(EXPERTS, k, rank, device=dev, dtype=torch.bfloat16)
@@ -136,25 +132,19 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
     bf16 = {"device": dev, "dtype": torch.bfloat16}
     out: dict[str, Any] = {}
     rms = [("torch", rw._torch_rmsnorm), ("exact", rw.rmsnorm)]
-    rms = [(k, partial(f, eps=1e-6)) for k, f in rms]
     sizes = {"rmsnorm_hidden": (HIDDEN, TRAIN_ROWS), "rmsnorm_head": (HEAD_DIM, TRAIN_ROWS * HEADS)}
     for name, (width, rows) in sizes.items():
         x, w = torch.randn(rows, width, **bf16), torch.rand(width, **bf16)
-        out[name] = _compare(rms, x, shared=(w,))
+        out[name] = _compare([(k, partial(f, eps=1e-6)) for k, f in rms], x, shared=(w,))
     z, tg = torch.randn(1024, VOCAB, device=dev) * 3, torch.randint(0, VOCAB, (1024,), device=dev)
-
-    def torch_lp(a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(a, -1).gather(-1, t[:, None])[:, 0]
-
-    out["token_logprob"] = _compare((("torch", torch_lp), ("exact", rw.token_logprobs)), z, tg)
+    torch_lp = ("torch", lambda a, t: torch.log_softmax(a, -1).gather(-1, t[:, None])[:, 0])
+    out["token_logprob"] = _compare((torch_lp, ("exact", rw.token_logprobs)), z, tg)
     r = torch.randn(TRAIN_ROWS, EXPERTS, device=dev).to(torch.bfloat16)
     softmax = (("torch", partial(torch.softmax, dim=-1, dtype=torch.float)), ("exact", rw.softmax))
     out["router_softmax"] = _compare(softmax, r, bench=False)
     pairs = torch.randn(TRAIN_ROWS, TOP_K, HIDDEN, **bf16)
     wts = torch.rand(TRAIN_ROWS, TOP_K, device=dev).to(torch.bfloat16)
-
-    def bmm_sum(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(w.view(-1, 1, TOP_K), p).view(-1, HIDDEN)
+    bmm_sum = ("torch_bmm", lambda p, w: torch.bmm(w.view(-1, 1, TOP_K), p).view(-1, HIDDEN))
 
     def slot_sum(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         acc = p[:, 0].float() * w[:, 0:1].float()
@@ -162,7 +152,7 @@ def rowwise(dev: torch.device) -> dict[str, Any]:
             acc = acc + p[:, s].float() * w[:, s : s + 1].float()
         return acc.to(p.dtype)
 
-    out["topk_weighted_sum"] = _compare((("torch_bmm", bmm_sum), ("exact", slot_sum)), pairs, wts)
+    out["topk_weighted_sum"] = _compare((bmm_sum, ("exact", slot_sum)), pairs, wts)
     return out
 
 
@@ -234,5 +224,5 @@ if __name__ == "__main__":
             result[name] = fn(dev)
         except Exception as err:  # report the others
             result[name] = {"error": f"{type(err).__name__}: {err}"}
-        print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
+        harness.progress({name: result[name]})
     harness.emit("exact_ops", result, args.save)

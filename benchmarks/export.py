@@ -38,16 +38,14 @@ def make_run(run_dir: Path, base: Path, file_bytes: int) -> dict[str, Any]:
     files = ck.write_shards(ckpt, trained, file_bytes, "model-rank{i:05d}.safetensors", 1, True)
     (ckpt / "state.json").write_text(json.dumps({"format": 1, "step": 1}))
     (run_dir / "config.yaml").write_text(f"model:\n  omni_checkpoint: {base}\n")
-    nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     out = {"trained_tensors": len(trained), "trained_files": len(set(files.values()))}
-    return out | {"trained_bytes": nbytes}
+    return out | {"trained_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))}
 
 
 if __name__ == "__main__":
     args = ck.options(__doc__, "export").parse_args()
     work, shard = args.workdir, args.shard_mb * 1000**2
     base, run = work / "omni-base", work / "run"
-    work.mkdir(parents=True, exist_ok=True)
     if not (run / "config.yaml").exists() or not (base / "bench_facts.json").exists():
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)

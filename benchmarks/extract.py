@@ -17,7 +17,6 @@ if __name__ == "__main__":
     shard, work, src = args.shard_mb * 1000**2, args.workdir, args.workdir / "omni-src"
     if src.exists() and not (src / "config.json").exists():
         shutil.rmtree(src)
-    work.mkdir(parents=True, exist_ok=True)
     make = partial(ck.generate_checkpoint, src, args.layers, shard)
     facts, gen_s = ck.generated(src / "bench_facts.json", make)
     sides = {"copy": ((), partial(ck.child, "copy", src))}

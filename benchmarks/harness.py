@@ -16,7 +16,8 @@ Clocks: ``seconds(fn, repeats, device)`` (wall, after a warm-up call), ``gpu_sec
 (CUDA events), ``now(device)``. Memory: ``peak_bytes(device, reset)`` (CUDA's peak, else this
 process's peak RSS), ``status_kb("VmHWM")`` (a child's own peak RSS), ``nbytes(tensors)``,
 ``state_tensors(optimizer)``. Processes: ``child_json(argv)`` (a side in its own process: its
-last JSON line), ``rerun("--side", "ours")`` (this script's own command + those),
+last JSON line), ``rerun("ours")`` (this script's own command + ``--side ours``: the child's
+``args.side``, which ends with ``reply(record)``), ``progress(record)`` (a JSON line on stderr),
 ``torch_threads(default)``. Records: ``train_metrics(run_dir)``, ``means(rows, keys)``,
 ``profile_table(fn, dst)`` (the ops' table), ``versions("peft")`` (python, git, GPU, packages).
 
@@ -38,17 +39,19 @@ import types
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
 def parser(doc: str | None, **options: Any) -> argparse.ArgumentParser:
-    """The script's docstring's first paragraph, ``--save MACHINE`` and :func:`add_options`."""
+    """The script's docstring's first paragraph, ``--save MACHINE``, a child's hidden ``--side``
+    (:func:`rerun`) and :func:`add_options`."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     save = "also write benchmarks/results/NAME_MACHINE.json"
     ap.add_argument("--save", metavar="MACHINE", type=machine_name, help=save)
+    ap.add_argument("--side", help=argparse.SUPPRESS)
     return add_options(ap, **options)
 
 
@@ -83,8 +86,7 @@ def machine_name(text: str) -> str:
 
 def emit(name: str, record: dict[str, Any], save: str | None = None) -> None:
     """Print ``record`` as ONE JSON line, ``benchmark`` and ``versions`` added; ``save``: a file."""
-    out = {"benchmark": name, **record}
-    out["versions"] = versions() | (out.get("versions") or {})
+    out = {"benchmark": name, **record, "versions": versions() | (record.get("versions") or {})}
     print(json.dumps(out), flush=True)  # first: a failed save does not lose the result
     if save:  # what ran, then where (h200)
         path = REPO / "benchmarks" / "results" / f"{name}_{save}.json"
@@ -230,9 +232,21 @@ def child_json(argv: list[str], check: bool = True, **run: Any) -> dict[str, Any
     return {"error": f"exit {proc.returncode}", "stderr_tail": tail}
 
 
-def rerun(*extra: str, check: bool = True, **run: Any) -> dict[str, Any]:
-    """:func:`child_json` of this script's own command line + ``extra`` (a hidden side option)."""
-    return child_json([sys.executable, sys.argv[0], *sys.argv[1:], *extra], check, **run)
+def rerun(side: str, check: bool = True, **run: Any) -> dict[str, Any]:
+    """:func:`child_json` of this script's own command line + ``--side side``: the child sees
+    ``args.side`` and ends with :func:`reply`."""
+    return child_json([sys.executable, sys.argv[0], *sys.argv[1:], "--side", side], check, **run)
+
+
+def reply(record: dict[str, Any]) -> NoReturn:
+    """A child's end: ``record`` as the JSON line :func:`child_json` reads."""
+    print(json.dumps(record), flush=True)
+    sys.exit()
+
+
+def progress(record: dict[str, Any]) -> None:
+    """``record`` as one JSON line on stderr: each part's result as it ends (kept if one hangs)."""
+    print(json.dumps(record), file=sys.stderr, flush=True)
 
 
 def train_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -7,9 +7,7 @@ samples/s, peak memory, trainable parameters, optimizer state, and LoRA's ratios
     uv run python benchmarks/lora.py --steps 5 --rank 16
 """
 
-import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -47,15 +45,12 @@ def variant(lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, f
 
 
 if __name__ == "__main__":
-    ap = harness.parser(__doc__, steps=5, rank=16, device=("cpu", "cuda", "auto"))
-    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.variant is not None:  # a child: one variant, one JSON line
-        print(json.dumps(variant(json.loads(args.variant), args.steps, args.device)))
-        sys.exit()
+    args = harness.parser(__doc__, steps=5, rank=16, device=("cpu", "cuda", "auto")).parse_args()
+    if args.side is not None:  # a child: one variant, one JSON line
+        harness.reply(variant(json.loads(args.side), args.steps, args.device))
     lora = {"rank": args.rank, "alpha": 2 * args.rank}
     lora["targets"] = ["attention", "experts", "visual", "lm_head"]
-    full, adapted = (harness.rerun("--variant", json.dumps(v)) for v in (None, lora))
+    full, adapted = (harness.rerun(json.dumps(v)) for v in (None, lora))
     record = {"benchmark": "lora_vs_full", "device": args.device, "steps": args.steps, "lora": lora}
     record |= {"full": full, "lora_run": adapted}
     for key in ("samples_per_s", "peak_memory_mb", "trainable_params"):

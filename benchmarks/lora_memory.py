@@ -10,11 +10,9 @@ docs/one-gpu-lora.md, "The memory model (measured)".
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,8 +49,7 @@ def run_depth(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         torch.cuda.empty_cache()
         after_build["reserved_after_release_gib"] = torch.cuda.memory_reserved() / harness.GIB
     builder = PromptBuilder(vl_dir, DataConfig(image_max_pixels=args.image_size**2))
-    sized = (args.prompts, ("image",), args.image_size, "Describe the colours in detail.")
-    _, _, prompts = rig.samples(work, builder, *sized)
+    _, _, prompts = rig.samples(work, builder, args, ("image",), "Describe the colours in detail.")
     eos, pad = rig.stop_ids(vl_dir, builder.tokenizer)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, targets=args.targets.split(","))
     ckpt = {"micro_batch_size": args.group, "gradient_checkpointing": not args.no_checkpointing}
@@ -93,14 +90,14 @@ def child(layers: int) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t = time.perf_counter()
-    result = harness.rerun("--child", str(layers), check=False, env=env)
+    result = harness.rerun(str(layers), check=False, env=env)
     if "error" in result:
         tail = result.pop("stderr_tail")[-6:]
         oom = any("OutOfMemoryError" in x or "out of memory" in x for x in tail)
         result = {"layers": layers, **result, "oom": oom, "tail": tail}
     else:
         result["process_s"] = round(time.perf_counter() - t, 1)
-    print(json.dumps({"run": result}), file=sys.stderr, flush=True)  # kept if a later one hangs
+    harness.progress({"run": result})
     return result
 
 
@@ -112,12 +109,10 @@ if __name__ == "__main__":
     harness.add_options(ap, deep_fallback="40,32,24", prompts=8, group=8, max_new_tokens=512)
     harness.add_options(ap, image_size=448, rank=16, alpha=32.0, targets="attention,experts")
     harness.add_options(ap, kl_coef=0.01, no_checkpointing=False, steps=2, seed=0)
-    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(4)
-    if args.child is not None:
-        print(json.dumps(run_depth(args, args.child)), flush=True)
-        sys.exit()
+    if args.side is not None:  # a child: one depth
+        harness.reply(run_depth(args, int(args.side)))
     (work := Path(args.work)).mkdir(parents=True, exist_ok=True)
     if not args.skeleton:
         released.make_skeleton(work / "skeleton")
@@ -128,14 +123,13 @@ if __name__ == "__main__":
     runs = [child(d) for d in depths]
     ok = [r for r in runs if "error" not in r]
     models: dict[str, Any] = {}
-    key = "allocated_gib" if args.device == "cuda" else "max_rss_gib"
-    if len(ok) >= 2:
-        for k in [key, "reserved_gib"] if args.device == "cuda" else [key]:
-            points = [(r["layers"], r["peak_step"][k]) for r in ok]  # peak = a + b * layers
-            slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
-            resid = max(abs(intercept + slope * x - y) for x, y in points)
-            f = {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
-            models[k] = f | {"projected_48_gib": intercept + released.LAYERS * slope}
+    keys = ["allocated_gib", "reserved_gib"] if args.device == "cuda" else ["max_rss_gib"]
+    for k in keys if len(ok) >= 2 else []:  # a line needs two depths
+        points = [(r["layers"], r["peak_step"][k]) for r in ok]  # peak = a + b * layers
+        slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+        resid = max(abs(intercept + slope * x - y) for x, y in points)
+        f = {"intercept_gib": intercept, "per_layer_gib": slope, "max_residual_gib": resid}
+        models[k] = f | {"projected_48_gib": intercept + released.LAYERS * slope}
     deep: dict[str, Any] | None = None
     if args.deep:
         fallback = [int(x) for x in args.deep_fallback.split(",") if x and int(x) < args.deep]

@@ -111,8 +111,7 @@ if __name__ == "__main__":
     ap = harness.parser(__doc__, layers=4, batch=4, seq=2048, iters=6, bucket_mb=512)
     # --profile: a CUDA time per kernel of one grouped step; --big-batch 0: no big-batch run
     harness.add_options(ap, no_sync=False, profile=False, big_batch=8)
-    harness.add_options(ap, loss=("vocab_parallel", "chunked"))
-    args = ap.parse_args()
+    args = harness.add_options(ap, loss=("vocab_parallel", "chunked")).parse_args()
     os.environ |= {k: os.environ.get(k, "0") for k in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")}
     from omni_grpo.backends.megatron.model import init_parallel
     from omni_grpo.config import MegatronConfig

@@ -24,7 +24,6 @@ peft); ``--profile``.
 import argparse
 import contextlib
 import gc
-import json
 import os
 import sys
 from functools import partial
@@ -103,8 +102,7 @@ if __name__ == "__main__":
     ap.add_argument("--exact-logprobs", action=argparse.BooleanOptionalAction)  # None: auto
     harness.add_options(ap, batching=("static", "continuous", "both"), static_batch_rows=512)
     harness.add_options(ap, long_prompts=False, generation_only=False, write_run=Path)
-    harness.add_options(ap, trl_warmup=1, profile=str)
-    args = ap.parse_args()
+    args = harness.add_options(ap, trl_warmup=1, profile=str).parse_args()
     args.audio_seconds = args.audio_seconds or (60.0 if args.long_prompts else 30.0)
     args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
     harness.torch_threads(4)
@@ -122,8 +120,7 @@ if __name__ == "__main__":
         torch.cuda.empty_cache()
     builder = PromptBuilder(vl_dir, rig.synthetic_media(args))
     tok, kinds, question = builder.tokenizer, ("image", "audio", "video"), "Describe it in detail."
-    sized = (args.prompts, kinds, args.image_size, question, args.long_prompts)
-    samples, images, prompts = rig.samples(work, builder, *sized)
+    samples, images, prompts = rig.samples(work, builder, args, kinds, question)
     if args.write_run:  # before the trainer wraps the module with its adapters
         made = (args.write_run, thinker, vl_dir, skeleton, samples, images, args)
         print(f"omni-grpo train --config {cli_run.write_run(*made)}", file=sys.stderr, flush=True)
@@ -197,7 +194,7 @@ if __name__ == "__main__":
             rec["variable_roofline_ratio"] = round(engine_roofline_s / gen.s, 4)
             rec["peak_gib"] = round(harness.peak_bytes(device) / harness.GIB, 2) if cuda else None
             by_engine[name] = rec | ({"partial": stats} if stats else {})
-            print(json.dumps({name: by_engine[name]}), file=sys.stderr, flush=True)
+            harness.progress({name: by_engine[name]})
         gen_s = gen.s  # the last engine's rollout is the one trained on
         lengths = [len(c.token_ids) for gr in groups for c in gr]
         adv = rig.advantages(groups, args.group)
@@ -210,17 +207,15 @@ if __name__ == "__main__":
             peak = max(peak, harness.peak_bytes(device) / harness.GIB)
         new_tokens = sum(lengths)
         train_seqs = [len(c.prompt.input_ids) + len(c.token_ids) for gr in groups for c in gr]
-        fwd = roofline.forward_flops(sizes, train_seqs, new_tokens)
         # reference + policy forward + activation-gradient backward, and the recompute
         recompute = roofline.recompute_flops(sizes, train_seqs, new_tokens, args.checkpoint_policy)
-        update_flops = fwd * 3 + recompute
+        update_flops = roofline.forward_flops(sizes, train_seqs, new_tokens) * 3 + recompute
         if args.lengths == "uniform":
             var_roofline_s = roofline_s
         arr = np.asarray(lengths, dtype=float)  # completion-length percentiles, mean and max
         percentiles = {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
-        step = {"batching": by_engine}
         percentiles |= {"mean": float(arr.mean()), "max": float(arr.max())}
-        step["completion_lengths"] = percentiles
+        step = {"batching": by_engine, "completion_lengths": percentiles}
         step |= {"variable_roofline_s": round(var_roofline_s, 3), "generation_s": round(gen_s, 3)}
         for phase in ("reference", "policy"):
             step[f"{phase}_s"] = round(metrics.get(f"time_{phase}_s", float("nan")), 3)
@@ -231,7 +226,7 @@ if __name__ == "__main__":
         for k in ("pearson", "abs_diff", "exact_fraction"):
             step[f"logprob_{k}"] = metrics.get(f"train_rollout_logprob_{k}")
         steps.append(step | {"skipped_step": metrics.get("skipped_step")})
-        print(json.dumps({"step": steps[-1]}), file=sys.stderr, flush=True)
+        harness.progress({"step": steps[-1]})
     if args.profile:  # one more update, then 64 new tokens of eager generation (a CUDA graph's
         # kernels are not traced one by one), media encoded as in a timed step: <dst>.generation.txt
         dst, batch = Path(args.profile), GRPOBatch(groups, adv, temperature=sampling.temperature)

@@ -16,6 +16,7 @@ import torch
 from omni_extract.tiny import TinyOmniSpec, build_config
 from omni_extract.tokens import REAL_IDS
 from omni_rope import OmniRopeConfig, audio_in_video_segment_ids, get_rope_index
+from torch.nn.utils.rnn import pad_sequence
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
 FRAMES, TEMPORAL_PATCH, FPS = 32, 2, 2.0
@@ -37,11 +38,8 @@ if __name__ == "__main__":
         suffix = torch.randint(0, 5000, (30 + 3 * i,), generator=gen)
         seg = audio_in_video_segment_ids(config, GRID, spg, MEL_FRAMES)
         rows.append(torch.cat([prefix, seg, suffix]))
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):  # left-padded
-        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    ids = pad_sequence(rows, batch_first=True, padding_side="left")
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
     grids, spgs = torch.tensor([GRID] * batch), torch.full((batch,), spg)
     batch_tensors = (ids, mask, grids, spgs, torch.full((batch,), MEL_FRAMES))
     ids, mask, grids, spgs, frames = (t.to(args.device) for t in batch_tensors)

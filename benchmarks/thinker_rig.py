@@ -28,6 +28,8 @@ from PIL import Image
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as omni_modeling
 
+WEIGHTS = shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json")  # not copied
+
 
 def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -> dict[str, Any]:
     """The skeleton's ``vl`` config at these widths and depths (deepstack: the last 3 blocks)."""
@@ -49,11 +51,7 @@ def config_at(skeleton: Path, layers: int, widths: str, vision_depth: int = 0) -
 def vl_dir_at(skeleton: Path, dst: Path, layers: int, widths: str, vision_depth: int = 0) -> tuple:
     """A weightless ``vl`` dir (the config, the tokenizer and processor files) and its config."""
     cfg = config_at(skeleton, layers, widths, vision_depth)
-    dst.mkdir(parents=True, exist_ok=True)
-    skip = ("config.json", "model.safetensors.index.json")
-    for f in (skeleton / "vl").iterdir():
-        if f.suffix != ".safetensors" and f.name not in skip:
-            shutil.copy(f, dst / f.name)
+    shutil.copytree(skeleton / "vl", dst, ignore=WEIGHTS, dirs_exist_ok=True)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst, cfg
 
@@ -129,16 +127,10 @@ def write_images(root: Path, n: int, size: int) -> list[Path]:
 
 
 def synthetic_media(args: argparse.Namespace) -> Any:
-    """Media loaders of :func:`chirp` (also each video's sound) and :func:`video`; the limits."""
-
-    def audio(src: Any, max_seconds: Any = None, name: Any = None, min_samples: int = 0) -> Any:
-        return chirp(args.audio_seconds)
-
-    def clip(src: Any, fps_: float, max_frames: int, name: Any = None, lim: Any = None) -> Any:
-        return VideoClip(*video(args))
-
-    prompt_mod.load_audio, prompt_mod.load_video = audio, clip
-    prompt_mod.load_video_audio = audio  # a video's own sound track (use_audio_in_video)
+    """Media loaders of :func:`chirp` (also each video's own sound track: use_audio_in_video) and
+    :func:`video`, whatever they are asked for; the limits."""
+    prompt_mod.load_audio = prompt_mod.load_video_audio = lambda *_, **__: chirp(args.audio_seconds)
+    prompt_mod.load_video = lambda *_, **__: VideoClip(*video(args))
     return DataConfig(**media_limits(args))
 
 
@@ -148,13 +140,14 @@ def media_limits(args: argparse.Namespace) -> dict[str, Any]:
     return limits | {"max_frames": args.video_frames, "video_max_pixels": args.video_size**2}
 
 
-def samples(work: Path, builder: Any, n: int, kinds: tuple, size: int, question: str, long=False):
-    """``n`` samples cycling ``kinds`` (image, audio, video, text), one medium each, the images
-    written for them (one per prompt) and ``builder``'s prompts. ``long``: every prompt one video
-    WITH its own sound track interleaved (``use_audio_in_video``: one block of frame chunks and
-    audio in time order), as audio-visual QA prompts come. The video files only need to exist:
-    the loaders (frames and track) are :func:`synthetic_media`'s."""
-    images = write_images(work / "media", n, size)
+def samples(work: Path, builder: Any, args: argparse.Namespace, kinds: tuple, question: str):
+    """``--prompts`` samples cycling ``kinds`` (image, audio, video, text), one medium each, the
+    images written for them (one per prompt, ``--image-size``) and ``builder``'s prompts.
+    ``--long-prompts``: every prompt one video WITH its own sound track interleaved (one block of
+    frame chunks and audio in time order: ``use_audio_in_video``), as audio-visual QA prompts
+    come. The video files only need to exist: the loaders are :func:`synthetic_media`'s."""
+    n, long = args.prompts, getattr(args, "long_prompts", False)
+    images = write_images(work / "media", n, args.image_size)
 
     def medium(kind: str, i: int) -> dict[str, str]:
         path = images[i] if kind == "image" else work / "media" / f"{kind}{i}.bin"
@@ -186,8 +179,7 @@ def engine(thinker: Any, eos: list, device: Any, tok: Any = None, stop: bool = F
     if tok is not None:
         kw["decode_fn"] = lambda ids: tok.decode(ids, skip_special_tokens=True)
     kw["autocast_dtype"] = torch.bfloat16 if device.type == "cuda" else None
-    banned = media_token_ids(thinker) + ([] if stop else eos)
-    kw["banned_token_ids"] = banned
+    kw["banned_token_ids"] = media_token_ids(thinker) + ([] if stop else eos)
     return EmbeddedEngine(thinker, eos if stop else [], device=device, **kw)
 
 

@@ -18,6 +18,7 @@ import pickle
 import shutil
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,8 @@ QUESTION = "What is shown here? Describe the colours, then answer in one word."
 # 0.2 / 0.28, no KL, group-std advantages, plain sampling; logging only, no saves
 TRL_MATCHED = dict(lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, beta=0.0)
 TRL_MATCHED |= dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group")
-TRL_MATCHED |= dict(temperature=1.0, top_p=1.0, top_k=0, max_grad_norm=1.0, logging_steps=1)
-TRL_MATCHED |= dict(report_to="none", save_strategy="no", shuffle_dataset=False)
-TRL_MATCHED |= dict(dataloader_num_workers=0)
+TRL_MATCHED |= dict(temperature=1.0, top_p=1.0, top_k=0, logging_steps=1, dataloader_num_workers=0)
+TRL_MATCHED |= dict(report_to="none", save_strategy="no", shuffle_dataset=False, max_grad_norm=1.0)
 
 
 def reward_text(text: str) -> float:
@@ -187,7 +187,6 @@ if __name__ == "__main__":
     harness.add_options(ap, image_size=448, video_size=224, frames=8, fps=2.0, prompts=4, group=8)
     harness.add_options(ap, max_new_tokens=256, lr=1e-6, steps=4, warmup=1, seed=0)
     harness.add_options(ap, widths=("real", "tiny"), media=("image", "video"), sides="ours,trl")
-    ap.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     harness.torch_threads(4)
     work = Path(args.work)
@@ -195,9 +194,8 @@ if __name__ == "__main__":
     if args.side is not None:  # a child: one side, one JSON line
         rows = json.loads((work / f"rows-{args.media}.json").read_text())
         torch.manual_seed(args.seed)
-        result = run_ours(args, vl, audio, rows) if args.side == "ours" else run_trl(args, vl, rows)
-        print(json.dumps(result), flush=True)
-        sys.exit()
+        run = {"ours": partial(run_ours, args, vl, audio), "trl": partial(run_trl, args, vl)}
+        harness.reply(run[args.side](rows))  # no such side: a KeyError, the child's error
     work.mkdir(parents=True, exist_ok=True)
     with harness.timed() as prep:
         skeleton = Path(args.skeleton or released.make_skeleton(work / "skeleton"))
@@ -223,7 +221,7 @@ if __name__ == "__main__":
         rows = [r | {"text": f"Question {i}. {QUESTION}"} for i, r in enumerate(rows)]
         (work / f"rows-{args.media}.json").write_text(json.dumps(rows))
     # each side in its own process: its peak memory is its own
-    sides = {s: harness.rerun("--side", s, check=False) for s in args.sides.split(",") if s}
+    sides = {s: harness.rerun(s, check=False) for s in args.sides.split(",") if s}
     cuda = args.device == "cuda"
     config = {k: vars(args)[k] for k in ("layers", "widths", "media", "image_size")}
     config |= {"frames": args.frames if args.media == "video" else None}

@@ -8,6 +8,7 @@ A synthetic pseudo-VL text model of ``--mb`` MiB into one receiver process: docs
 
 import multiprocessing as mp
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import harness
@@ -45,8 +46,7 @@ def raw_broadcast(tensors: list, bucket_bytes: int, backend: str, device: str, o
 
 if __name__ == "__main__":
     backends = ("nccl", "gloo") if torch.cuda.device_count() >= 2 else ("gloo", "nccl")
-    ap = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3, backend=backends)
-    args = ap.parse_args()
+    args = harness.parser(__doc__, mb=256, bucket_mb=64, repeats=3, backend=backends).parse_args()
     mp.get_context("forkserver").set_forkserver_preload(["torch", "omni_grpo.testing.sync"])
     device = "cuda:0" if args.backend == "nccl" else "cpu"
     # Qwen3-MoE-shaped layers (hidden 1024, 16 experts of 512) until ~--mb MiB
@@ -56,9 +56,8 @@ if __name__ == "__main__":
     shapes |= {"self_attn.q_proj.weight": (heads * hd, h), "self_attn.k_proj.weight": (kv * hd, h)}
     shapes |= {"self_attn.v_proj.weight": (kv * hd, h), "self_attn.o_proj.weight": (h, heads * hd)}
     shapes |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
-    shapes |= {"mlp.gate.weight": (e, h)}  # the experts in memory layout: [E, 2I, H], [E, H, I]
-    shapes["mlp.experts.gate_up_proj"] = (e, 2 * inter, h)
-    shapes["mlp.experts.down_proj"] = (e, h, inter)
+    shapes |= {"mlp.gate.weight": (e, h), "mlp.experts.gate_up_proj": (e, 2 * inter, h)}
+    shapes["mlp.experts.down_proj"] = (e, h, inter)  # memory layout: [E, 2I, H], [E, H, I]
     lm = "model.language_model."
     top = {lm + "embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h)}
     top[lm + "norm.weight"] = (h,)
@@ -72,10 +71,8 @@ if __name__ == "__main__":
     nbytes, bucket_bytes = harness.nbytes(state.values()), args.bucket_mb << 20
     server_tensors = list(to_server_tensors(state.items(), "hf_memory"))
     with tempfile.TemporaryDirectory() as tmp:
-        raw, ours = [], []
-        for i in range(args.repeats):
-            dst = Path(tmp) / f"raw{i}"
-            raw.append(raw_broadcast(server_tensors, bucket_bytes, args.backend, device, dst))
+        broadcast = partial(raw_broadcast, server_tensors, bucket_bytes, args.backend, device)
+        raw, ours = [broadcast(Path(tmp) / f"raw{i}") for i in range(args.repeats)], []
         with (
             FakeOmniServer() as server,
             ServerSideReceivers([server], Path(tmp) / "recv", args.backend, save=False) as rx,
