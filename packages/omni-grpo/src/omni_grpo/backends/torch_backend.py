@@ -665,11 +665,19 @@ class TorchBackend:
 def create_torch_backend(
     model_cfg: Any, trainer_cfg: Any, algo_cfg: Any, *, pad_token_id: int
 ) -> TorchBackend:
-    """Entry point ``torch``: load the composed thinker (``omni_grpo.models.load_thinker``) and wrap it."""
+    """Entry point ``torch``: load the composed thinker (:func:`load_policy`) and wrap it."""
+    device = resolve_device(trainer_cfg.device)
+    model = load_policy(model_cfg, device)
+    return TorchBackend(model, trainer_cfg, algo_cfg, pad_token_id=pad_token_id, device=device)
+
+
+def load_policy(model_cfg: Any, device: torch.device) -> torch.nn.Module:
+    """The composed thinker as ``model:`` says (``omni_grpo.models.load_thinker``): the trainer's
+    policy, and each Ray rollout actor's copy, which must be the same module to the last flag
+    (``ray.actors.RolloutActor``: its weights are kept equal by the sync, not by loading)."""
     from omni_grpo.models import load_thinker
 
-    device = resolve_device(trainer_cfg.device)
-    model = load_thinker(
+    return load_thinker(
         model_cfg.extracted_dir,
         audio_dir=model_cfg.audio_dir,
         dtype=model_cfg.dtype,
@@ -677,4 +685,3 @@ def create_torch_backend(
         freeze_visual=model_cfg.freeze_visual,
         freeze_lm_head=model_cfg.freeze_lm_head,
     )
-    return TorchBackend(model, trainer_cfg, algo_cfg, pad_token_id=pad_token_id, device=device)

@@ -271,23 +271,14 @@ class RolloutActor:
         With ``rollout.exact_logprobs`` (resolved to true by the driver) the copy is the
         trainer's module as it trains: LoRA adapters injected the same way (the sync sends them
         unmerged, ``TorchBackend.weights_for_sync``) and the exact kernels switched on."""
-        from omni_grpo.backends.torch_backend import resolve_device
-        from omni_grpo.models import load_thinker
+        from omni_grpo.backends.torch_backend import load_policy, resolve_device
         from omni_grpo.models.sideband import media_token_ids
         from omni_grpo.rollout.embedded import EmbeddedEngine
         from omni_grpo.run.process import configure_threads
 
         configure_threads(self.cfg.trainer.device)
-        m = self.cfg.model
         device = resolve_device(self.cfg.trainer.device)
-        policy = load_thinker(
-            m.extracted_dir,
-            audio_dir=m.audio_dir,
-            dtype=m.dtype,
-            device=device,
-            freeze_visual=m.freeze_visual,
-            freeze_lm_head=m.freeze_lm_head,
-        )
+        policy = load_policy(self.cfg.model, device)
         self.exact = self.cfg.rollout.exact_logprobs is True
         self.lora = self.exact and self.cfg.trainer.lora is not None
         if self.lora:
