@@ -29,6 +29,7 @@ from omni_grpo.models.grouped_experts import (
     ADAPTER,
     ExpandSorted,
     Unsort,
+    gated,
     lora_factors,
     sort_by_expert,
 )
@@ -89,13 +90,14 @@ def experts_forward(
     # none where torch's grouped GEMM computes them (a recompute, the KL reference)
     plan = None if torch_kernels_on() else tile_map(offs, x.shape[0])
     gate_up = _project(x, base.gate_up_proj, transposed, offs, plan, lora.get("gate_up_proj"))
-    apply_gate = getattr(base, "_apply_gate", None)
-    if apply_gate is not None:
-        h = apply_gate(gate_up)
-    else:
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = base.act_fn(gate) * up
-    out = _project(h.to(_dtype()), base.down_proj, transposed, offs, plan, lora.get("down_proj"))
+    out = _project(
+        gated(base, gate_up).to(_dtype()),
+        base.down_proj,
+        transposed,
+        offs,
+        plan,
+        lora.get("down_proj"),
+    )
     pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)
     return topk_sum(pairs, weights, hidden.dtype)
 

@@ -206,6 +206,16 @@ def sort_by_expert(
     return perm, inv, torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
+def gated(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` of the fused experts' ``gate_up`` product, as transformers' experts
+    module computes it (its own ``_apply_gate`` where it has one)."""
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if apply_gate is not None:
+        return apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
 def grouped_lora_experts_forward(
     experts: nn.Module,
     lora: dict[str, tuple[torch.Tensor, torch.Tensor] | None],
@@ -231,14 +241,13 @@ def grouped_lora_experts_forward(
     gate_up = _lora_linear(
         x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"), plan
     )
-    apply_gate = getattr(experts, "_apply_gate", None)
-    if apply_gate is not None:
-        h = apply_gate(gate_up)
-    else:
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = experts.act_fn(gate) * up
     out = _lora_linear(
-        h.to(dtype), experts.down_proj, transposed, offs, lora.get("down_proj"), plan
+        gated(experts, gate_up).to(dtype),
+        experts.down_proj,
+        transposed,
+        offs,
+        lora.get("down_proj"),
+        plan,
     )
     pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, hidden)
     weights = top_k_weights.to(pairs.dtype).view(num_tokens, 1, top_k)
