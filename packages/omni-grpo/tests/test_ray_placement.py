@@ -218,6 +218,11 @@ def test_ranks_and_actors_share_one_gpu_with_fractions() -> None:
     assert plan.device == "GPU" and plan.shares_gpus
     assert [b["GPU"] for b in plan.bundles] == [0.3, 0.3]
     assert plan.trainer_gpus == 1  # 0.6 of one GPU
+    from omni_grpo.ray.placement import format_plan
+
+    text = format_plan(plan, cfg)  # what --plan prints: 0.9 of one GPU in all
+    assert text.startswith("plan: 1 GPUs (1 trainer on 1 node(s) + 1 rollout actor(s) x 0.3 GPU)")
+    assert "(gpu: a 0.3 share, placed by Ray)" in text
     whole = plan_run(load_config(EXAMPLES / "tiny-ray.yaml", ["trainer.device=cuda"]))
     assert not whole.shares_gpus and whole.trainer_gpus == 2
 

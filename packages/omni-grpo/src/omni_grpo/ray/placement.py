@@ -281,10 +281,15 @@ def format_plan(plan: PlacementPlan, cfg: Any | None = None) -> str:
     """The plan as text: one line per trainer rank and per rollout slot (for ``--plan``)."""
     nodes = max((r.node_slot for r in plan.ranks), default=0) + 1
     address = "" if cfg is None else (cfg.ray.address or "$RAY_ADDRESS or a local Ray")
-    head = (
-        f"plan: {plan.total_gpus} GPUs ({plan.trainer_gpus} trainer on {nodes} node(s) + "
-        f"{plan.rollout_gpus} rollout); "
-        + ("one process (no Ray)" if not plan.distributed else f"Ray at {address or 'local'}")
+    rollout, gpus = f"{plan.rollout_gpus} rollout", plan.total_gpus
+    actors = sum(s.role == "embedded" for s in plan.servers)
+    if actors and plan.device == "GPU" and cfg is not None:  # embedded actors: their own request
+        share = cfg.rollout.embedded.gpus_per_actor
+        rollout = f"{actors} rollout actor(s) x {share:g} GPU"
+        trainer = sum(b.get("GPU", 0.0) for b in plan.bundles)
+        gpus = math.ceil(trainer + actors * share - 1e-9)  # fractions share whole GPUs
+    head = f"plan: {gpus} GPUs ({plan.trainer_gpus} trainer on {nodes} node(s) + {rollout}); " + (
+        "one process (no Ray)" if not plan.distributed else f"Ray at {address or 'local'}"
     )
     lines = [
         head,
