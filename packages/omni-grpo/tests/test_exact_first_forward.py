@@ -76,3 +76,41 @@ def test_the_twin_shares_parameters_not_attributes(world: dict[str, Any]) -> Non
     assert twin.self_attn.config is not layer.self_attn.config  # exact mode rebinds the original's
     assert twin.self_attn.config._attn_implementation == layer.self_attn.config._attn_implementation
     assert twin.gradient_checkpointing is False
+
+
+def test_the_lora_reference_runs_on_the_twins_with_their_adapters_off(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exact mode with ``trainer.compile``: the KL reference (the policy, adapters off) computes
+    on the compiled twins (eager here), whose own peft modules must have their adapters off too."""
+    from omni_grpo.backends.torch_backend import TorchBackend, make_micro_batches
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.models.compiled_layers import CompiledLayers
+
+    cfg = TrainerConfig(
+        device="cpu",
+        micro_batch_size=4,
+        gradient_checkpointing=True,
+        lora=LoraConfig(rank=4, targets=["attention", "experts"]),
+    )
+    model = copy.deepcopy(world["base"])
+    backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
+    for name, p in model.named_parameters():  # B starts at zero: make the adapters count
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    adv = torch.ones(len(world["groups"]), len(world["groups"][0]))
+    mb = make_micro_batches(world["groups"], adv, 4, world["eos"])[0]
+    want = backend._reference_logits(mb)  # not exact: the policy's own layers, adapters off
+    backend.compiled = CompiledLayers(model)
+    backend.compiled.exact_mode(compile_twins=False)
+    monkeypatch.setattr(model, "exact_logprobs", True, raising=False)  # the flag alone: CPU
+    calls: list[int] = []
+    for layer in backend.compiled.twins:
+        layer.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+    got = backend._reference_logits(mb)
+    assert len(calls) == len(backend.compiled.twins)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        live = backend._logits(model, mb)
+    assert (live - want).abs().max() > 1e-2  # the adapters count: "off" is tested
+    assert not any("forward" in layer.__dict__ for layer in backend.compiled.layers)

@@ -355,3 +355,70 @@ def test_checkpointed_exact_thinker_keeps_exact_logits_and_gets_torch_gradients(
         grads.append(torch.autograd.grad((logits.float() * weights).sum(), params))
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()) + 1e-6)
+
+
+@interpreted
+def test_default_decode_kernels_compute_as_transformers_and_peft(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default path's decode-step forwards (``models.decode_kernels``; on CUDA in bf16 only,
+    forced here): each against the module's own forward, then a whole generation."""
+    from omni_grpo.config import LoraConfig
+    from omni_grpo.models import decode_kernels as dk
+    from omni_grpo.models.generation import generate
+    from omni_grpo.models.lora import apply_lora
+
+    model = copy.deepcopy(world["base"])
+    apply_lora(model, LoraConfig(rank=4, targets=["attention", "experts"]))
+    for name, p in model.named_parameters():  # peft starts B at zero: make the adapters count
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    text = model.model.language_model
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in text.modules():
+            kind = type(module).__name__
+            if kind.endswith("RMSNorm"):
+                x = torch.randn(7, module.weight.shape[0], generator=gen) * 3
+                torch.testing.assert_close(dk.rmsnorm_forward(module, x), module(x))
+            elif kind.endswith("TopKRouter"):
+                x = torch.randn(9, module.hidden_dim, generator=gen)
+                got, want = dk.router_forward(module, x), module(x)
+                torch.testing.assert_close(got[0], want[0])
+                assert torch.equal(got[2], want[2])
+                torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-7)
+    prompt = world["prompts"][0]
+    ids = torch.tensor([prompt.input_ids])
+
+    def sample(on: bool) -> Any:
+        monkeypatch.setattr(dk, "enabled", lambda thinker: on)
+        torch.manual_seed(3)
+        return generate(model, ids, max_new_tokens=5, cuda_graph=False, **prompt.mm)
+
+    plain, fused = sample(False), sample(True)
+    assert torch.equal(plain.tokens, fused.tokens)
+    torch.testing.assert_close(plain.logprobs, fused.logprobs, rtol=0, atol=1e-5)
+    assert not any("forward" in m.__dict__ for m in text.modules())  # swapped back
+
+
+@interpreted
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 8, 128), (37, 8, 128), (9, 2, 6)])
+def test_route_plan_is_the_stable_sort_and_the_tile_map(tokens: int, top_k: int, experts: int):
+    """The one-kernel routing bookkeeping (``models.route_plan``) against the torch steps it
+    replaces: the same permutation (stable), inverse, offsets, token ids and tile map."""
+    from omni_grpo.models.grouped_experts import sort_by_expert
+    from omni_grpo.models.grouped_gemm import tile_map
+    from omni_grpo.models.route_plan import route_plan
+
+    gen = torch.Generator().manual_seed(tokens)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if tokens > 9:
+        index[5:25, 0] = 3  # a crowded expert: 20+ pairs, several of them in one chunk
+    got_perm, got_inv, got_offs, got_tokens, got_e, got_r = route_plan(index, experts)
+    perm, inv, offs = sort_by_expert(index, experts, stable=True)
+    assert torch.equal(got_perm, perm) and torch.equal(got_inv, inv)
+    assert torch.equal(got_offs, offs) and torch.equal(got_tokens, perm // top_k)
+    want_e, want_r = tile_map(offs, index.numel())
+    assert torch.equal(got_e, want_e)
+    used = want_e >= 0
+    assert torch.equal(got_r[used], want_r[used])

@@ -133,25 +133,24 @@ def test_padding_to_16_bytes_keeps_the_product() -> None:
 
 
 def test_the_triton_decode_route_is_taken_only_where_nothing_backpropagates() -> None:
-    """``decode_plan``: the Triton kernel for generation's grouped products on CUDA bf16 up to
-    ``DECODE_ROWS`` routed rows; torch's (or the CPU loop) for everything else."""
-    from omni_grpo.models.grouped_experts import DECODE_ROWS, decode_plan
+    """``takes_decode_route``: the Triton kernels for generation's routing and grouped products
+    on CUDA bf16 up to ``DECODE_ROWS`` routed pairs; torch's (or the CPU loop) for the rest."""
+    from omni_grpo.models.grouped_experts import DECODE_ROWS, expert_order, takes_decode_route
 
-    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    bf16 = torch.bfloat16
     with torch.no_grad():
-        assert decode_plan(torch.randn(7, 8).bfloat16(), offs) is None  # CPU
+        assert not takes_decode_route(torch.randn(7, 8), bf16, 7)  # CPU
+    index = torch.tensor([[0, 2], [1, 2]])
+    assert expert_order(index, 3, fused=True).tiles is None  # CPU: torch's sort, no tile map
     if not torch.cuda.is_available():
         return
-    x, offs = torch.randn(7, 8, device="cuda").bfloat16(), offs.cuda()
-    assert decode_plan(x, offs) is None  # grad enabled: the training forward
+    x = torch.randn(7, 8, device="cuda")
+    assert not takes_decode_route(x, bf16, 7)  # grad enabled: the training forward
     with torch.no_grad():
-        assert decode_plan(x, offs) is not None
-        assert decode_plan(x.float(), offs) is None
-        big = torch.randn(DECODE_ROWS + 1, 8, device="cuda").bfloat16()
-        assert (
-            decode_plan(big, offs.new_tensor([DECODE_ROWS + 1, DECODE_ROWS + 1, DECODE_ROWS + 1]))
-            is None
-        )
+        assert takes_decode_route(x, bf16, 7)
+        assert not takes_decode_route(x, torch.float32, 7)
+        assert not takes_decode_route(x, bf16, DECODE_ROWS + 1)
+    assert expert_order(index.cuda(), 3, fused=True).tiles is not None
 
 
 @pytest.mark.gpu
@@ -161,7 +160,8 @@ def test_the_triton_decode_route_equals_torchs_grouped_gemm(tokens: int) -> None
     """Generation's expert products through the Triton kernel equal torch's grouped GEMM (same
     fp32 accumulation, bf16 out: within one bf16 rounding), base and rank-16 adapters, the
     model's layouts (``[E, 2I, H]`` and ``[E, H, I]`` used transposed), empty experts included."""
-    from omni_grpo.models.grouped_experts import _lora_linear, decode_plan, sort_by_expert
+    from omni_grpo.models.grouped_experts import _lora_linear, sort_by_expert
+    from omni_grpo.models.grouped_gemm import tile_map
 
     torch.manual_seed(0)
     experts, hidden, inter, rank = 32, 256, 96, 16
@@ -175,8 +175,7 @@ def test_the_triton_decode_route_equals_torchs_grouped_gemm(tokens: int) -> None
     _, perm, offs = sort_by_expert(index, experts)
     x = torch.randn(tokens * 4, hidden, device="cuda").bfloat16()
     with torch.no_grad():
-        plan = decode_plan(x, offs)
-        assert plan is not None
+        plan = tile_map(offs, x.shape[0])
         for w, lora in ((gate_up, lora_gu), (down, None)):
             xi = x if w is gate_up else torch.randn(tokens * 4, inter, device="cuda").bfloat16()
             got = _lora_linear(xi, w, False, offs, lora, plan)

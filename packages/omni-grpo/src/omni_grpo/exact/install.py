@@ -8,13 +8,15 @@ steps: ``models.decode_attention`` leaves it alone), and the media towers to one
 Since the embedded engine samples from this very module, the prefill, every decode step and the
 trainer's forwards then compute each token's logits with the same arithmetic; the sampler and
 the trainer take the log-softmax with the same kernel (``exact.rowwise.token_logprobs``, handed
-to the sampler on the thinker: ``models.decode_step.SAMPLER_LOGPROBS``).
+to the sampler on the thinker: ``models.decode_step.SAMPLER_LOGPROBS``). peft's LoRA linears keep
+their arithmetic; in a decode step they skip its casts (``_lora_linear_forward``).
 The rebinding is by ``MethodType`` on the instances (a deep copy rebinds to the copy).
 """
 
 from __future__ import annotations
 
 from types import MethodType
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +66,44 @@ def _rmsnorm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rmsnorm(x, self.weight, self.variance_epsilon)
 
 
+def _lora_linear_forward(
+    self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """peft's LoRA linear, ``base(x) + lora_B(lora_A(x)) * scale``, in a decode step without its
+    casts: peft casts ``x`` to the fp32 adapters' dtype and the exact linears cast it and both
+    adapter weights back to bf16 at every call (four kernels of a few microseconds, four such
+    layers a decoder layer). Here the adapters' bf16 copies are cached until they change, and
+    ``x`` goes in as it is: ``bf16(fp32(x)) == x`` and a cached cast equals a fresh one, so the
+    products, the scale and the add are the trainer's, bit for bit. Grad enabled (the trainer's
+    forward), anything but one plain adapter: peft's own forward."""
+    from omni_grpo.exact import precision
+    from omni_grpo.exact.matmul import linear
+    from omni_grpo.models.decode_kernels import plain_adapter
+    from omni_grpo.models.grouped_experts import ADAPTER
+
+    if torch.is_grad_enabled() or args or kwargs or not plain_adapter(self):
+        return type(self).forward(self, x, *args, **kwargs)
+    dtype = precision.COMPUTE_DTYPE
+    a_w, b_w = _adapter_copies(self, dtype)
+    out = self.base_layer(x)
+    low = linear(linear(x, a_w, None, dtype), b_w, None, dtype)
+    return out + low * self.scaling[ADAPTER]
+
+
+def _adapter_copies(layer: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` of ``layer``'s adapter in ``dtype``, cached (``FACTOR_CACHE``: dropped with the
+    others after an optimizer step) until their version moves."""
+    from omni_grpo.models.grouped_experts import ADAPTER, FACTOR_CACHE
+
+    a_w, b_w = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+    key = ("exact", a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
+    cached = layer.__dict__.get(FACTOR_CACHE)
+    if cached is None or cached[0] != key:
+        cached = (key, (a_w.detach().to(dtype), b_w.detach().to(dtype)))
+        object.__setattr__(layer, FACTOR_CACHE, cached)
+    return cached[1]
+
+
 def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
@@ -79,12 +119,13 @@ def enable_exact_logprobs(model: nn.Module) -> dict[str, int]:
     from omni_grpo.exact.moe import moe_block_forward
     from omni_grpo.exact.rowwise import token_logprobs
     from omni_grpo.exact.towers import encode_towers_per_item
+    from omni_grpo.models.decode_kernels import is_lora_linear
     from omni_grpo.models.decode_step import SAMPLER_LOGPROBS
 
     check_supported(model)
     if is_exact(model):
         return {}
-    counts = {"linear": 0, "rmsnorm": 0, "moe": 0}
+    counts = {"linear": 0, "rmsnorm": 0, "moe": 0, "lora_linear": 0}
     text = model.model.language_model
     moe_blocks = [m for m in text.modules() if _is_moe_block(m)]
     inside_moe = {id(m) for block in moe_blocks for m in block.modules()}
@@ -98,6 +139,9 @@ def enable_exact_logprobs(model: nn.Module) -> dict[str, int]:
             elif _is_rmsnorm(module):
                 module.forward = MethodType(_rmsnorm_forward, module)
                 counts["rmsnorm"] += 1
+            elif is_lora_linear(module):
+                module.forward = MethodType(_lora_linear_forward, module)
+                counts["lora_linear"] += 1
     for block in moe_blocks:
         block.forward = MethodType(moe_block_forward, block)
         counts["moe"] += 1

@@ -29,9 +29,9 @@ from omni_grpo.models.grouped_experts import (
     ADAPTER,
     ExpandSorted,
     Unsort,
+    expert_order,
     gated,
     lora_factors,
-    sort_by_expert,
 )
 
 LoraFactors = tuple[torch.Tensor, torch.Tensor]  # (A^T, scale * B^T)
@@ -83,12 +83,15 @@ def experts_forward(
     num_tokens, width = hidden.shape
     top_k = top_k_index.shape[-1]
     num_experts = base.gate_up_proj.shape[0]
-    perm, inv, offs = sort_by_expert(top_k_index, num_experts, stable=True)
-    x = ExpandSorted.apply(hidden.to(_dtype()), perm // top_k, inv, top_k)
+    # the stable order in every forward (a decode step's one-kernel route is stable too), so a
+    # recompute or the KL reference (torch's kernels, torch's sort) sees the pairs as the first
+    # forward did; one tile map for the block's six grouped products, none for torch's kernels
+    torch_path = torch_kernels_on()
+    order = expert_order(top_k_index, num_experts, fused=not torch_path, stable=True)
+    perm, inv, offs = order.perm, order.inv, order.offs
+    x = ExpandSorted.apply(hidden.to(_dtype()), order.tokens, inv, top_k)
     transposed = bool(getattr(base, "is_transposed", False))
-    # one tile map for the block's six grouped products (the same rows, the same offsets);
-    # none where torch's grouped GEMM computes them (a recompute, the KL reference)
-    plan = None if torch_kernels_on() else tile_map(offs, x.shape[0])
+    plan = None if torch_path else order.tiles or tile_map(offs, x.shape[0])
     gate_up = _project(x, base.gate_up_proj, transposed, offs, plan, lora.get("gate_up_proj"))
     out = _project(
         gated(base, gate_up).to(_dtype()),

@@ -17,49 +17,15 @@ import triton
 import triton.language as tl
 
 from omni_grpo.exact.switch import torch_kernels_on
+from omni_grpo.models.row_kernels import rmsnorm_rows
 
 
 # ----------------------------------------------------------------------------------- RMSNorm
-@triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, eps, stride_x, stride_y, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / N
-    normed = (x * (1.0 / tl.sqrt(var + eps))).to(y_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    y = w.to(tl.float32) * normed.to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
-
-
 def _torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' formula (the backward's recompute)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
-
-
-def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The kernel's forward over the last dim of ``x``: one program per row, fixed order."""
-    n = x.shape[-1]
-    flat = x.reshape(-1, n)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
-    if flat.shape[0]:
-        _rmsnorm_kernel[(flat.shape[0],)](
-            flat,
-            weight,
-            out,
-            n,
-            eps,
-            flat.stride(0),
-            out.stride(0),
-            BLOCK=triton.next_power_of_2(n),
-            num_warps=4,
-        )
-    return out.view(x.shape)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -33,6 +33,7 @@ import torch
 
 from omni_grpo.models.continuous import RowPlan, decode_continuous, prefill_all
 from omni_grpo.models.decode_attention import decode_attention
+from omni_grpo.models.decode_kernels import decode_kernels
 from omni_grpo.models.decode_step import (  # noqa: F401  (the sampler's public names live here)
     STOP_CHECK_EVERY,
     GenerationResult,
@@ -281,7 +282,8 @@ def generate(
     try:
         if batching == "continuous":
             prefilled = prefill_all(thinker, input_ids, attention_mask, **media)
-            with decode_attention(thinker.model.language_model.layers):
+            layers = thinker.model.language_model.layers
+            with decode_attention(layers), decode_kernels(thinker):
                 return decode_continuous(
                     thinker,
                     prefilled,
@@ -336,7 +338,7 @@ def _decode_static(
     )
     del logits, cache
     steps = 1  # tokens recorded so far
-    with decode_attention(decoder.layers):
+    with decode_attention(decoder.layers), decode_kernels(thinker):
         if cuda_graph and max_new_tokens > 3:
             steps += decoder.capture()  # eager steps if the step cannot be captured
         budget = int(limits.max())

@@ -23,12 +23,14 @@ The low-rank factors follow peft's layout (``get_delta_weight``): ``lora_A.weigh
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 ADAPTER = "default"  # the one peft adapter omni_grpo.models.lora creates
+# the attribute a wrapper's cached bf16 factors live in (lora_factors; decode_kernels' too)
+FACTOR_CACHE = "_omni_grouped_cache"
 _GROUPED_CLASS: type | None = None
 
 
@@ -52,19 +54,47 @@ def pad_to_16_bytes(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tor
 DECODE_ROWS = 4096
 
 
-def decode_plan(x: torch.Tensor, offs: torch.Tensor) -> Any:
-    """The Triton kernel's tile map for a block's grouped products, or None for torch's.
+def takes_decode_route(hidden: torch.Tensor, dtype: torch.dtype, pairs: int) -> bool:
+    """Whether a block's routing and grouped products take the Triton kernels
+    (``models.route_plan``, ``models.grouped_gemm``) instead of torch's.
 
     Only where nothing backpropagates (generation: a decode step, a short prefill) on CUDA in
-    bf16: the training forward keeps torch's kernel and its autograd. One map serves the block's
-    six products (the same rows and offsets); it is ~20 small kernels, so it is made once."""
-    if not x.is_cuda or x.dtype != torch.bfloat16 or torch.is_grad_enabled():
-        return None
-    if x.shape[0] > DECODE_ROWS:
-        return None
-    from omni_grpo.models.grouped_gemm import tile_map
+    bf16, up to ``DECODE_ROWS`` routed pairs: the training forward keeps torch's kernels and
+    autograd."""
+    return (
+        hidden.is_cuda
+        and dtype == torch.bfloat16
+        and not torch.is_grad_enabled()
+        and pairs <= DECODE_ROWS
+    )
 
-    return tile_map(offs, x.shape[0])
+
+class ExpertOrder(NamedTuple):
+    """A block's (token, slot) pairs in expert order: ``perm``, its inverse ``inv``, each
+    expert's cumulative end ``offs``, each sorted pair's token ``tokens`` (``perm // top_k``)
+    and, from the one-kernel route (``models.route_plan``), the grouped GEMM's tile map."""
+
+    perm: torch.Tensor
+    inv: torch.Tensor
+    offs: torch.Tensor
+    tokens: torch.Tensor
+    tiles: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def expert_order(
+    top_k_index: torch.Tensor, num_experts: int, fused: bool, stable: bool = False
+) -> ExpertOrder:
+    """:class:`ExpertOrder` of ``top_k_index [T, k]``. ``fused`` (CUDA, up to ``DECODE_ROWS``
+    pairs): one Triton kernel, stable, with the tile map; else torch's sort (``stable`` as asked)
+    and no tile map. One map serves the block's six grouped products (the same rows and
+    offsets), so it is made once a block."""
+    if fused and top_k_index.is_cuda and top_k_index.numel() <= DECODE_ROWS:
+        from omni_grpo.models.route_plan import route_plan
+
+        perm, inv, offs, tokens, tile_expert, tile_row = route_plan(top_k_index, num_experts)
+        return ExpertOrder(perm, inv, offs, tokens, (tile_expert, tile_row))
+    perm, inv, offs = sort_by_expert(top_k_index, num_experts, stable)
+    return ExpertOrder(perm, inv, offs, perm // top_k_index.shape[-1], None)
 
 
 def grouped_mm(
@@ -72,7 +102,7 @@ def grouped_mm(
 ) -> torch.Tensor:
     """``out[rows of group g] = x[rows of group g] @ w[g]`` with ``offs`` the groups' cumulative ends.
 
-    ``plan`` (:func:`decode_plan`): the Triton kernel. Else, CUDA bf16: torch's grouped GEMM (one
+    ``plan`` (a tile map, :func:`expert_order`): the Triton kernel. Else, CUDA bf16: torch's grouped GEMM (one
     launch, no host sync: CUDA-graph capturable). Elsewhere (the CPU tests, fp32) a loop over the
     groups, which reads the offsets back to the host.
     """
@@ -112,7 +142,7 @@ def lora_factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     b_w = wrapper.lora_B[ADAPTER].weight
     cache = not torch.is_grad_enabled()
     key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
-    cached = getattr(wrapper, "_omni_grouped_cache", None) if cache else None
+    cached = getattr(wrapper, FACTOR_CACHE, None) if cache else None
     if cached is not None and cached[0] == key:
         return cached[1]
     experts = wrapper.num_experts
@@ -122,12 +152,12 @@ def lora_factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     # grouped GEMM operands must be row- or column-major per group: B^T's permute is neither
     factors = (a_t, (b_t * scale).contiguous())
     if cache:
-        object.__setattr__(wrapper, "_omni_grouped_cache", (key, factors))
+        object.__setattr__(wrapper, FACTOR_CACHE, (key, factors))
     return factors
 
 
 def invalidate_factor_caches(model: nn.Module) -> None:
-    """Drop every wrapper's cached bf16 factors (see ``lora_factors``).
+    """Drop every cached bf16 factor pair (``lora_factors``; ``decode_kernels.linear_factors``).
 
     Why: the cache is keyed on the adapters' ``_version``, but torch's fused AdamW (the CUDA
     optimizer, ``fused=True``) updates parameters in place without bumping it (torch 2.11-2.15),
@@ -135,8 +165,8 @@ def invalidate_factor_caches(model: nn.Module) -> None:
     calls this after every optimizer step.
     """
     for module in model.modules():
-        if "_omni_grouped_cache" in module.__dict__:
-            del module.__dict__["_omni_grouped_cache"]
+        if FACTOR_CACHE in module.__dict__:
+            del module.__dict__[FACTOR_CACHE]
 
 
 def _lora_linear(
@@ -234,10 +264,10 @@ def grouped_lora_experts_forward(
     top_k = top_k_index.shape[-1]
     num_experts = experts.gate_up_proj.shape[0]
     dtype = experts.gate_up_proj.dtype
-    perm, inv, offs = sort_by_expert(top_k_index, num_experts)
-    x = ExpandSorted.apply(hidden_states.to(dtype), perm // top_k, inv, top_k)
+    fused = takes_decode_route(hidden_states, dtype, top_k_index.numel())
+    perm, inv, offs, tokens, plan = expert_order(top_k_index, num_experts, fused)
+    x = ExpandSorted.apply(hidden_states.to(dtype), tokens, inv, top_k)
     transposed = bool(getattr(experts, "is_transposed", False))
-    plan = decode_plan(x, offs)
     gate_up = _lora_linear(
         x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"), plan
     )
