@@ -19,13 +19,11 @@ static-KV CUDA-graph decode, which a compiled region's guards and recompiles wou
 
 With ``rollout.exact_logprobs`` the policy's forward must keep the exact kernels that the
 rollout ran (``omni_grpo.exact`` rebinds the layers' modules to them), so it is not compiled.
-Everything after it may be: the KL reference with LoRA (the policy with its adapters off) runs
-every layer on its compiled twin (:meth:`CompiledLayers.twins_forward`), and each decoder layer
-checkpoints with :class:`ExactFirstForward` — its forward runs the exact layer without a graph
-(the logits, so the logprobs, are the rollout's bit for bit) and its backward recomputes the
-layer on a *twin* (:func:`twin_layer`: the same parameters, the modules as they were before exact
-mode rebound them) whose parts are compiled, under ``kernel_switch.torch_kernels``, and
-backpropagates through that recompute. The
+Everything after it may be: each decoder layer then checkpoints with :class:`ExactFirstForward`
+— its forward runs the exact layer without a graph (the logits, so the logprobs, are the
+rollout's bit for bit) and its backward recomputes the layer on a *twin* (:func:`twin_layer`: the
+same parameters, the modules as they were before exact mode rebound them) whose parts are
+compiled, under ``kernel_switch.torch_kernels``, and backpropagates through that recompute. The
 gradients are those of torch's compiled forward at the same weights, as in the uncompiled exact
 path's recompute (which runs torch's kernels too).
 """
@@ -193,19 +191,3 @@ class CompiledLayers:
         finally:
             for part, _ in self.parts:
                 del part.forward
-
-    @contextmanager
-    def twins_forward(self) -> Iterator[None]:
-        """In exact mode, every layer computes with its compiled twin inside the block: for the
-        KL reference, whose logprobs are never compared with the rollout's (so torch's compiled
-        kernels, the recompute's, serve it). Outside exact mode: nothing changes."""
-        if not self.exact:
-            yield
-            return
-        for layer, twin in zip(self.layers, self.twins, strict=True):
-            layer.forward = twin.forward
-        try:
-            yield
-        finally:
-            for layer in self.layers:
-                del layer.forward
