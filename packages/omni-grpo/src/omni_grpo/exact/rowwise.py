@@ -5,7 +5,8 @@ number of rows (few rows: more blocks per row), so a decode step's row and the s
 training micro-batch can be summed in different orders. Here a row is always reduced by one
 program over fixed-size chunks in order (Triton), or, for the router's few values, by a fixed
 pairwise tree of elementwise adds (:func:`tree_sum`; elementwise kernels round every element
-the same way whatever the shape).
+the same way whatever the shape). The RMSNorm kernel lives a floor below
+(``models.row_kernels``: the default path's decode steps run it too).
 """
 
 from __future__ import annotations

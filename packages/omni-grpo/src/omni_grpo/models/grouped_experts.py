@@ -102,9 +102,9 @@ def grouped_mm(
 ) -> torch.Tensor:
     """``out[rows of group g] = x[rows of group g] @ w[g]`` with ``offs`` the groups' cumulative ends.
 
-    ``plan`` (a tile map, :func:`expert_order`): the Triton kernel. Else, CUDA bf16: torch's grouped GEMM (one
-    launch, no host sync: CUDA-graph capturable). Elsewhere (the CPU tests, fp32) a loop over the
-    groups, which reads the offsets back to the host.
+    ``plan`` (a tile map, :func:`expert_order`): the Triton kernel. Else, CUDA bf16: torch's
+    grouped GEMM (one launch, no host sync: CUDA-graph capturable). Elsewhere (the CPU tests,
+    fp32) a loop over the groups, which reads the offsets back to the host.
     """
     if plan is not None:
         from omni_grpo.models.grouped_gemm import gmm

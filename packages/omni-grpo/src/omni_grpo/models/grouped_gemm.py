@@ -3,15 +3,16 @@
 Two users, one kernel. Exact mode (``omni_grpo.exact.grouped``) needs it row-invariant: every
 expert's rows are cut into ``BLOCK_M``-row tiles with the tiling a function of ``(K, N)`` only
 (:func:`tiles`), so each output row is one in-order fp32 accumulation over ``K`` whatever the
-rows around it. The default path's generation (``models.grouped_experts.decode_plan``) takes it
+rows around it. The default path's generation (``grouped_experts.takes_decode_route``) takes it
 for speed: in a decode step an expert sees a few rows, and on the H200 torch's grouped GEMM
 (torch 2.11) read the experts at 0.5-0.7 of the copy bandwidth and took 18-56 us for a rank-16
 adapter product that reads almost nothing, where this kernel ran at 0.87-1.0 and in 4-7 us
 (ops alone; the 48-layer decode step gained 4 %: ``benchmarks/results/grouped_decode_h200.json``).
 
 The tile -> (expert, first row) map is computed on the device from the group offsets (no host
-sync: the decode step stays CUDA-graph capturable); the grid is sized for the worst case and
-spare tiles exit at once.
+sync: the decode step stays CUDA-graph capturable; a decode step gets it from the one-kernel
+routing plan, ``models.route_plan``); the grid is sized for the worst case and spare tiles exit
+at once.
 """
 
 from __future__ import annotations
