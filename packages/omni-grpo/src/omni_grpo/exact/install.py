@@ -91,21 +91,13 @@ def _lora_linear_forward(
 
 
 def _adapter_copies(layer: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A, B)`` of ``layer``'s adapter in ``dtype``, cached (``FACTOR_CACHE``: dropped with the
-    others after an optimizer step) until their version moves."""
-    from omni_grpo.models.grouped_experts import ADAPTER, FACTOR_CACHE
+    """``(A, B)`` of ``layer``'s adapter in ``dtype``, cached until they change."""
+    from omni_grpo.models.grouped_experts import cached_factors
 
-    a_w, b_w = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-    key = ("exact", a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
-    cached = layer.__dict__.get(FACTOR_CACHE)
-    if cached is None or cached[0] != key:
-        cached = (key, (a_w.detach().to(dtype), b_w.detach().to(dtype)))
-        object.__setattr__(layer, FACTOR_CACHE, cached)
-    return cached[1]
+    def make(a_w: torch.Tensor, b_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a_w.detach().to(dtype), b_w.detach().to(dtype)
 
-
-def _is_rmsnorm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    return cached_factors(layer, dtype, make, tag="exact")
 
 
 def _is_moe_block(module: nn.Module) -> bool:
@@ -119,7 +111,7 @@ def enable_exact_logprobs(model: nn.Module) -> dict[str, int]:
     from omni_grpo.exact.moe import moe_block_forward
     from omni_grpo.exact.rowwise import token_logprobs
     from omni_grpo.exact.towers import encode_towers_per_item
-    from omni_grpo.models.decode_kernels import is_lora_linear
+    from omni_grpo.models.decode_kernels import is_lora_linear, is_rmsnorm
     from omni_grpo.models.decode_step import SAMPLER_LOGPROBS
 
     check_supported(model)
@@ -136,7 +128,7 @@ def enable_exact_logprobs(model: nn.Module) -> dict[str, int]:
             if isinstance(module, nn.Linear):
                 module.forward = MethodType(_linear_forward, module)
                 counts["linear"] += 1
-            elif _is_rmsnorm(module):
+            elif is_rmsnorm(module):
                 module.forward = MethodType(_rmsnorm_forward, module)
                 counts["rmsnorm"] += 1
             elif is_lora_linear(module):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_grpo.models.grouped_experts import ADAPTER, FACTOR_CACHE
+from omni_grpo.models.grouped_experts import ADAPTER, cached_factors
 
 EXACT_FLAG = "exact_logprobs"  # omni_grpo.exact.install.FLAG (not imported: a floor up)
 
@@ -57,7 +57,8 @@ def enabled(thinker: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------------- RMSNorm
-def _is_rmsnorm(module: nn.Module) -> bool:
+def is_rmsnorm(module: nn.Module) -> bool:
+    """transformers' RMSNorm (by class name: the text model's and the q/k norms' classes)."""
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
 
@@ -115,15 +116,12 @@ def linear_factors(layer: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     """``(A^T [in, r], scale * B^T [r, out])`` in ``dtype``, cached on the layer until the
     adapters change (``grouped_experts.invalidate_factor_caches`` drops it after an optimizer
     step): read once per decode step, at fixed addresses for the CUDA graph."""
-    a_w, b_w = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-    key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
-    cached = layer.__dict__.get(FACTOR_CACHE)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    scale = float(layer.scaling[ADAPTER])
-    factors = (a_w.detach().to(dtype).t(), (b_w.detach().float() * scale).to(dtype).t())
-    object.__setattr__(layer, FACTOR_CACHE, (key, factors))
-    return factors
+
+    def make(a_w: torch.Tensor, b_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = float(layer.scaling[ADAPTER])
+        return a_w.detach().to(dtype).t(), (b_w.detach().float() * scale).to(dtype).t()
+
+    return cached_factors(layer, dtype, make, tag="decode")
 
 
 def lora_linear_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -137,7 +135,7 @@ def lora_linear_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
 
 
 def _forward_for(module: nn.Module) -> Callable[..., Any] | None:
-    if _is_rmsnorm(module):
+    if is_rmsnorm(module):
         return rmsnorm_forward
     if _is_router(module):
         return router_forward

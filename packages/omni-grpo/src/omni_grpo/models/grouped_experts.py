@@ -23,6 +23,7 @@ The low-rank factors follow peft's layout (``get_delta_weight``): ``lora_A.weigh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -138,26 +139,42 @@ def lora_factors(wrapper: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     minor; as a graph input it keeps the layout made here. The scale is folded into the rank-r
     ``B^T`` (a small tensor) so the adapter term costs one add over the rows.
     """
-    a_w = wrapper.lora_A[ADAPTER].weight
-    b_w = wrapper.lora_B[ADAPTER].weight
-    cache = not torch.is_grad_enabled()
-    key = (a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
-    cached = getattr(wrapper, FACTOR_CACHE, None) if cache else None
+
+    def make(a_w: torch.Tensor, b_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = wrapper.num_experts
+        scale = float(wrapper.scaling[ADAPTER])
+        a_t = a_w.reshape(experts, -1, a_w.shape[-1]).transpose(1, 2).to(dtype)  # (E, in, r)
+        b_t = b_w.reshape(b_w.shape[0], -1, experts).permute(2, 1, 0).to(dtype)  # (E, r, out)
+        # grouped GEMM operands must be row- or column-major per group: B^T's permute is neither
+        return a_t, (b_t * scale).contiguous()
+
+    return cached_factors(wrapper, dtype, make, cache=not torch.is_grad_enabled())
+
+
+def cached_factors(
+    layer: Any,
+    dtype: torch.dtype,
+    make: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    tag: str = "",
+    cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make(A, B)`` of ``layer``'s adapter weights, kept on the layer (``FACTOR_CACHE``) until
+    the adapters change (their data pointers or ``_version``), the ``dtype`` or the ``tag`` (which
+    of this module's users made it) does; ``cache=False``: made afresh, nothing kept."""
+    a_w, b_w = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+    key = (tag, a_w.data_ptr(), a_w._version, b_w.data_ptr(), b_w._version, dtype)
+    cached = layer.__dict__.get(FACTOR_CACHE) if cache else None
     if cached is not None and cached[0] == key:
         return cached[1]
-    experts = wrapper.num_experts
-    scale = float(wrapper.scaling[ADAPTER])
-    a_t = a_w.reshape(experts, -1, a_w.shape[-1]).transpose(1, 2).to(dtype)  # (E, in, r)
-    b_t = b_w.reshape(b_w.shape[0], -1, experts).permute(2, 1, 0).to(dtype)  # (E, r, out)
-    # grouped GEMM operands must be row- or column-major per group: B^T's permute is neither
-    factors = (a_t, (b_t * scale).contiguous())
+    factors = make(a_w, b_w)
     if cache:
-        object.__setattr__(wrapper, FACTOR_CACHE, (key, factors))
+        object.__setattr__(layer, FACTOR_CACHE, (key, factors))
     return factors
 
 
 def invalidate_factor_caches(model: nn.Module) -> None:
-    """Drop every cached bf16 factor pair (``lora_factors``; ``decode_kernels.linear_factors``).
+    """Drop every cached bf16 factor pair (:func:`cached_factors`: the experts', the decode
+    steps' and exact mode's LoRA linears').
 
     Why: the cache is keyed on the adapters' ``_version``, but torch's fused AdamW (the CUDA
     optimizer, ``fused=True``) updates parameters in place without bumping it (torch 2.11-2.15),

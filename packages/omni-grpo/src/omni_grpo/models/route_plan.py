@@ -5,11 +5,11 @@ Why: between the router and the experts' products a MoE block sorts its ``tokens
 grouped GEMM's tiles to (expert, first row). In torch that is ~25 small kernels (a radix sort,
 an arange and a scatter for the inverse, ``histc``, ``cumsum``, a division for the token ids and
 the tile map's fifteen), each a few microseconds inside a decode step's CUDA graph, for every
-layer and token. Here one program does all of it (``grouped_experts.expert_order`` sends it up to
-``DECODE_ROWS`` pairs: a decode step's, a short prefill's; one program is slow for more): a
-counting sort over one-hot chunks, kept stable (a pair's place among its
-expert's pairs is its place in the input), so the result is ``sort_by_expert(..., stable=True)``
-and ``tile_map`` exactly, as the exact path needs.
+layer and token. Here one program does all of it (``grouped_experts.expert_order`` sends it up
+to ``DECODE_ROWS`` pairs: a decode step's, a short prefill's; one program is slow for more): a
+counting sort over one-hot chunks, kept stable (a pair's place among its expert's pairs is its
+place in the input), so the result is ``sort_by_expert(..., stable=True)`` and ``tile_map``
+exactly, as the exact path needs.
 """
 
 from __future__ import annotations
