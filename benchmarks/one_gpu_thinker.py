@@ -225,6 +225,7 @@ if __name__ == "__main__":
         step["update_mfu"] = round(update_flops / upd.s / matmul_rate, 4) if upd.s else None
         for k in ("pearson", "abs_diff", "exact_fraction"):
             step[f"logprob_{k}"] = metrics.get(f"train_rollout_logprob_{k}")
+        step |= {k: metrics.get(k) for k in ("kl_loss", "grad_norm")}  # the reference's effect
         steps.append(step | {"skipped_step": metrics.get("skipped_step")})
         harness.progress({"step": steps[-1]})
     if args.profile:  # one more update, then 64 new tokens of eager generation (a CUDA graph's

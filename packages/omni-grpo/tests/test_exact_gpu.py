@@ -33,6 +33,58 @@ def test_matmul_rows_do_not_depend_on_the_batch(k: int, n: int) -> None:
         assert torch.equal(mm(a[lo:hi], b, bias), full_bias[lo:hi])
 
 
+@pytest.mark.parametrize(("k", "n"), [(2048, 4096), (2048, 512), (2048, 16), (16, 4096)])
+def test_matmul_rows_do_not_depend_on_the_row_tiling(k: int, n: int) -> None:
+    """A training micro-batch's 128-row tiles (and their launch order) give each row the bits of
+    a decode step's 64-row tiles: only the reduction order makes the bits."""
+    from omni_grpo.exact.matmul import mm
+    from omni_grpo.models.grouped_gemm import BULK_ROWS, DECODE_TILING, RowTiling
+
+    a, b = _bf16(BULK_ROWS + 77, k), _bf16(k, n) / k**0.5
+    bulk = mm(a, b)  # row_tiling: past BULK_ROWS, the bulk tiling
+    assert torch.equal(bulk, mm(a, b, None, DECODE_TILING))
+    assert torch.equal(bulk, mm(a, b, None, RowTiling(64, 4, 1 << 16)))  # the old launch order
+    assert torch.equal(bulk[5:12], mm(a[5:12], b))
+
+
+def test_grouped_gemm_rows_do_not_depend_on_the_row_tiling() -> None:
+    from omni_grpo.exact.grouped import gmm
+    from omni_grpo.models.grouped_gemm import BULK_TILING, DECODE_TILING, tile_map
+
+    x, w = _bf16(8000, 2048), _bf16(16, 2048, 1536) / 45
+    offs = torch.tensor([500 * (i + 1) for i in range(16)], device="cuda", dtype=torch.int32)
+    offs[3] = offs[2]  # an empty expert
+    bulk = gmm(x, w, offs, tile_map(offs, 8000, BULK_TILING.block_m), BULK_TILING)
+    assert torch.equal(bulk, gmm(x, w, offs, None, DECODE_TILING))
+    alone = torch.full_like(offs, 3)
+    assert torch.equal(bulk[:3], gmm(x[:3], w, alone, None, DECODE_TILING))
+
+
+def test_the_kl_reference_is_the_policy_at_untrained_adapters(world: dict[str, Any]) -> None:
+    """Exact mode, LoRA: the reference (adapters off) runs the policy's exact kernels, so at the
+    first step (B = 0) the KL term is exactly 0, not a difference of kernels."""
+    from omni_grpo.backends.torch_backend import TorchBackend
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+    from omni_grpo.exact import enable_exact_logprobs
+    from omni_grpo.types import GRPOBatch
+
+    model = copy.deepcopy(world["base"]).to("cuda", torch.bfloat16)
+    cfg = TrainerConfig(
+        device="cuda",
+        lr=1e-3,
+        micro_batch_size=8,
+        gradient_checkpointing=True,
+        lora=LoraConfig(rank=4, targets=["attention", "experts"]),
+    )
+    backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
+    enable_exact_logprobs(model)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]] * len(world["groups"]))
+    metrics = backend.step(GRPOBatch(world["groups"], adv))
+    assert metrics["kl_loss"] == 0.0
+    metrics = backend.step(GRPOBatch(world["groups"], adv))
+    assert metrics["kl_loss"] > 0.0  # the adapters moved
+
+
 def test_topk_sum_rows_do_not_depend_on_the_batch() -> None:
     from omni_grpo.exact.combine import topk_sum_kernel
 

@@ -402,9 +402,13 @@ class TorchBackend:
 
     def _reference_logits(self, mb: MicroBatch) -> torch.Tensor:
         """Logits under the KL reference (see ``__init__``), no grad. With
-        ``rollout.exact_logprobs`` through torch's kernels (``exact.switch``): the reference's
-        logprobs are never compared with the rollout's."""
-        with torch.no_grad(), self._reference_kernels():
+        ``rollout.exact_logprobs`` and LoRA, the live module's exact kernels with the adapters
+        off: the KL term then measures how far the adapters moved the policy, never a difference
+        of kernels — 0 at the untrained adapters, bit for bit, where torch's kernels gave 5.9e-5
+        at 20 real-width layers, as much as four steps' drift
+        (``benchmarks/results/one_gpu_thinker_reference_kernels_20l_h100.json``). Full
+        fine-tuning's frozen copy keeps torch's kernels (it is copied before the switch)."""
+        with torch.no_grad():
             if self.reference is not None:
                 return self._logits(self.reference, mb)
             if self.lora_reference is None:
@@ -421,18 +425,12 @@ class TorchBackend:
 
             return self._logits(swapped, mb)
 
-    def _reference_kernels(self) -> contextlib.AbstractContextManager[None]:
-        if not self.exact:
-            return contextlib.nullcontext()
-        from omni_grpo.exact.switch import torch_kernels
-
-        return torch_kernels()
-
     def _reference_logp(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
         """Token logprobs under the KL reference, no grad."""
         targets = mb.input_ids[:, mb.prompt_len :].to(self.device)
         logits = self._reference_logits(mb)
-        return token_logprobs_from_logits(logits, targets, temperature).float()
+        # the policy's log-softmax kernel too (exact mode): no kernel difference in the KL term
+        return token_logprobs_from_logits(logits, targets, temperature, exact=self.exact).float()
 
     # ------------------------------------------------------------------ the update
     def step(self, batch: GRPOBatch) -> dict[str, float]:

@@ -14,7 +14,7 @@ training tile walks for its later rows change nothing. Keys past the tile's last
 loaded as 0.
 
 Backward: torch's SDPA (any kernel may serve the gradient). Under ``exact.switch.torch_kernels``
-(gradient checkpointing's recompute, the KL reference) the forward is SDPA with transformers' own
+(gradient checkpointing's recompute) the forward is SDPA with transformers' own
 mask — the off path's kernels — and in a recompute the SDPA graph built there travels to the
 backward attached to a saved placeholder tensor (the checkpoint hands the recomputed saved
 tensors, as objects, to the first forward's node), so the backward is SDPA's backward alone.
@@ -304,8 +304,6 @@ def attention_forward(
         raise ValueError("exact attention has no dropout (rollout.exact_logprobs)")
     batch, _, q_len, dim = query.shape
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    if torch_kernels_on() and not torch.is_grad_enabled():  # the KL reference: no graph at all
-        return torch_attention(query, key, value, _bool_mask(attention_mask), scale), None
     start, qoff = row_bounds(attention_mask, batch, q_len, key.shape[2], query.device)
     mask = _bool_mask(attention_mask)
     return _Attention.apply(query, key, value, start, qoff, mask, scale), None

@@ -88,7 +88,7 @@ class _TopkSum(torch.autograd.Function):
         ctx: Any, pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         ctx.save_for_backward(pairs, weights)
-        if torch_kernels_on():  # a recompute or the KL reference: the off path's bmm
+        if torch_kernels_on():  # a recompute: the off path's bmm
             tokens, top_k, hidden = pairs.shape
             w = weights.to(pairs.dtype).reshape(tokens, 1, top_k)
             return torch.bmm(w, pairs).view(tokens, hidden).to(dtype)

@@ -9,7 +9,7 @@ the decode step stays CUDA-graph capturable); the grid is sized for the worst ca
 exit at once. The kernel lives a floor below (``models.grouped_gemm``: the default path's
 generation runs it too); here it becomes a differentiable Function. Backward: torch's grouped
 GEMM (CUDA) or a loop over the groups (CPU tests), as is the forward under
-``exact.switch.torch_kernels`` (a recompute, the KL reference).
+``exact.switch.torch_kernels`` (a recompute).
 """
 
 from __future__ import annotations
@@ -19,9 +19,16 @@ from typing import Any
 import torch
 
 from omni_grpo.exact.switch import torch_kernels_on
-from omni_grpo.models.grouped_gemm import BLOCK_M, TileMap, gmm, tile_map
+from omni_grpo.models.grouped_gemm import (
+    BLOCK_M,
+    DECODE_TILING,
+    RowTiling,
+    TileMap,
+    gmm,
+    tile_map,
+)
 
-__all__ = ["BLOCK_M", "TileMap", "gmm", "grouped_linear", "tile_map"]
+__all__ = ["BLOCK_M", "RowTiling", "TileMap", "gmm", "grouped_linear", "tile_map"]
 
 
 def _reference_gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -51,15 +58,20 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> tor
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: TileMap | None
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        offs: torch.Tensor,
+        plan: TileMap | None,
+        tiling: RowTiling,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, w, offs)
-        if torch_kernels_on():  # a recompute or the KL reference (exact.switch)
+        if torch_kernels_on():  # a recompute (exact.switch)
             return _reference_gmm(x, w, offs)
-        return gmm(x, w, offs, plan)
+        return gmm(x, w, offs, plan, tiling)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any, None, None, None]:  # type: ignore[override]
         x, w, offs = ctx.saved_tensors
         grad = grad.to(x.dtype)
         grad_x = grad_w = None
@@ -67,11 +79,16 @@ class _GroupedMM(torch.autograd.Function):
             grad_x = _reference_gmm(grad, w.transpose(-2, -1).to(x.dtype), offs)
         if ctx.needs_input_grad[1]:
             grad_w = _weight_grad(x, grad, offs).to(w.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def grouped_linear(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: TileMap | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    plan: TileMap | None = None,
+    tiling: RowTiling = DECODE_TILING,
 ) -> torch.Tensor:
-    """Differentiable :func:`gmm` (``w`` cast to ``x``'s dtype first, as autocast would)."""
-    return _GroupedMM.apply(x, w.to(x.dtype), offs, plan)
+    """Differentiable :func:`gmm` (``w`` cast to ``x``'s dtype first, as autocast would);
+    ``plan`` cut for ``tiling.block_m``."""
+    return _GroupedMM.apply(x, w.to(x.dtype), offs, plan, tiling)

@@ -24,9 +24,17 @@ import triton
 import triton.language as tl
 
 from omni_grpo.exact.switch import torch_kernels_on
-from omni_grpo.models.grouped_gemm import NUM_STAGES, NUM_WARPS, tiles
+from omni_grpo.models.grouped_gemm import (
+    NUM_STAGES,
+    NUM_WARPS,
+    RowTiling,
+    row_tiling,
+    swizzle,
+    tiles,
+)
 
-# One config per (K, N) class; BLOCK_M never depends on M (64 rows: one warpgroup's wgmma).
+# One reduction per (K, N) class (tiles, config): never a function of M. The rows per tile may
+# be (grouped_gemm.RowTiling: the same per-element arithmetic); BLOCK_M: the sum kernel's.
 BLOCK_M = 64
 
 
@@ -66,10 +74,11 @@ def _mm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)  # the K chunk (split-K: c is then the fp32 partials [S, M, N])
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = swizzle(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_s = tl.program_id(1)  # the K chunk (split-K: c is then the fp32 partials [S, M, N])
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -132,8 +141,15 @@ def _sum_chunks_kernel(
     )
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a [M, K] @ b [K, N] (+ bias)`` in ``a``'s dtype with fp32 accumulation, row-invariant."""
+def mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    rows_per_tile: RowTiling | None = None,
+) -> torch.Tensor:
+    """``a [M, K] @ b [K, N] (+ bias)`` in ``a``'s dtype with fp32 accumulation, row-invariant.
+    ``rows_per_tile``: the tiles' rows and warps (default ``row_tiling(M)``: 128-row tiles for
+    a training micro-batch or a prefill, 64 for a decode step's rows)."""
     m, k = a.shape
     k2, n = b.shape
     if k != k2:
@@ -142,10 +158,11 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
     if m == 0:
         return out
     block_n, block_k, splits, chunk = config(k, n)
+    block_m, warps, group_m = rows_per_tile or row_tiling(m)
     split = splits > 1
     # split-K: the chunks' fp32 partials, summed in order below (bias added there)
     dest = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if split else out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), splits)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits)
     _mm_kernel[grid](
         a,
         b,
@@ -163,10 +180,11 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
         dest.stride(-1),
         chunk,
         HAS_BIAS=bias is not None and not split,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=NUM_WARPS,
+        GROUP_M=group_m,
+        num_warps=warps,
         num_stages=NUM_STAGES,
     )
     if split:
@@ -204,7 +222,7 @@ class _Linear(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1]).to(dtype)
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
-        # torch's kernel in a recompute or the KL reference (exact.switch)
+        # torch's kernel in a recompute (exact.switch)
         out = torch.nn.functional.linear(flat, w, b) if torch_kernels_on() else mm(flat, w.t(), b)
         ctx.save_for_backward(flat, w)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)

@@ -20,7 +20,7 @@ from torch import nn
 
 from omni_grpo.exact import precision
 from omni_grpo.exact.combine import topk_sum
-from omni_grpo.exact.grouped import TileMap, grouped_linear, tile_map
+from omni_grpo.exact.grouped import BLOCK_M, TileMap, grouped_linear, tile_map
 from omni_grpo.exact.matmul import linear
 from omni_grpo.exact.router import route as route_kernel
 from omni_grpo.exact.rowwise import softmax, tree_sum
@@ -33,6 +33,7 @@ from omni_grpo.models.grouped_experts import (
     gated,
     lora_factors,
 )
+from omni_grpo.models.grouped_gemm import RowTiling, row_tiling
 
 LoraFactors = tuple[torch.Tensor, torch.Tensor]  # (A^T, scale * B^T)
 
@@ -63,15 +64,15 @@ def _project(
     x: torch.Tensor,
     weight: torch.Tensor,
     transposed: bool,
-    offs: torch.Tensor,
-    plan: TileMap | None,
+    grouped: tuple[torch.Tensor, TileMap | None, RowTiling],
     lora: Any,
 ) -> torch.Tensor:
+    """``x W`` (+ the adapter's ``(x A^T) (scale B^T)``); ``grouped``: offsets, map, tiling."""
     w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
-    out = grouped_linear(x, w, offs, plan)
+    out = grouped_linear(x, w, *grouped)
     if lora is not None:
         a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts.lora_factors)
-        out = out + grouped_linear(grouped_linear(x, a_t, offs, plan), b_t, offs, plan)
+        out = out + grouped_linear(grouped_linear(x, a_t, *grouped), b_t, *grouped)
     return out
 
 
@@ -84,21 +85,27 @@ def experts_forward(
     top_k = top_k_index.shape[-1]
     num_experts = base.gate_up_proj.shape[0]
     # the stable order in every forward (a decode step's one-kernel route is stable too), so a
-    # recompute or the KL reference (torch's kernels, torch's sort) sees the pairs as the first
+    # recompute (torch's kernels, torch's sort) sees the pairs as the first
     # forward did; one tile map for the block's six grouped products, none for torch's kernels
     torch_path = torch_kernels_on()
     order = expert_order(top_k_index, num_experts, fused=not torch_path, stable=True)
     perm, inv, offs = order.perm, order.inv, order.offs
     x = ExpandSorted.apply(hidden.to(_dtype()), order.tokens, inv, top_k)
     transposed = bool(getattr(base, "is_transposed", False))
-    plan = None if torch_path else order.tiles or tile_map(offs, x.shape[0])
-    gate_up = _project(x, base.gate_up_proj, transposed, offs, plan, lora.get("gate_up_proj"))
+    # a decode step's few pairs: 64-row tiles, the one-kernel route's map; a training
+    # micro-batch's or a prefill's many: 128-row tiles (the same bits a row: RowTiling)
+    tiling = row_tiling(x.shape[0])
+    plan = None
+    if not torch_path:
+        fits = order.tiles is not None and tiling.block_m == BLOCK_M
+        plan = order.tiles if fits else tile_map(offs, x.shape[0], tiling.block_m)
+    grouped = (offs, plan, tiling)
+    gate_up = _project(x, base.gate_up_proj, transposed, grouped, lora.get("gate_up_proj"))
     out = _project(
         gated(base, gate_up).to(_dtype()),
         base.down_proj,
         transposed,
-        offs,
-        plan,
+        grouped,
         lora.get("down_proj"),
     )
     pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)

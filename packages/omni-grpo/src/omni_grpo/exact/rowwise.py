@@ -34,7 +34,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        if torch_kernels_on():  # a recompute or the KL reference (exact.switch)
+        if torch_kernels_on():  # a recompute (exact.switch)
             return _torch_rmsnorm(x, weight, eps)
         return rmsnorm_rows(x, weight, eps)
 

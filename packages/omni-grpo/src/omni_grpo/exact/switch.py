@@ -1,5 +1,5 @@
-"""Where exact mode may compute with torch's kernels: the recompute of gradient checkpointing and
-the KL reference's forward (see ``omni_grpo.models.kernel_switch``, where the flag is defined).
+"""Where exact mode may compute with torch's kernels: the recompute of gradient checkpointing
+(see ``omni_grpo.models.kernel_switch``, where the flag is defined).
 
 Defined a floor down because the thinker's checkpointing (``models.thinker``) hands
 :func:`recompute_context` to torch, and the models do not import ``omni_grpo.exact``; the

@@ -5,7 +5,8 @@ the trainer's micro-batch holds other rows; a tower's matmuls and convolutions c
 the batch's size, so an image's embeddings could differ in the last bit between the two and every
 later logprob with them. Encoded one item at a time, an item's tower call has the same shapes —
 and the same deterministic kernels — in both, so its embeddings are bitwise the same. The KL
-reference's forward (``exact.switch.torch_kernels``) encodes the batch at once, as off.
+reference's forward encodes (or finds) them the same way: its logprobs are the policy's at the
+reference's weights.
 
 Each item's output is also kept (:class:`ItemCache`) and reused when the same item comes again:
 the rollout's prefill encodes a step's images, videos and audios, and the trainer's forwards of
@@ -23,8 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from omni_grpo.exact.switch import torch_kernels_on
 
 
 def _concat(outs: list[Any]) -> Any:
@@ -164,21 +163,6 @@ def _cached(
     return out
 
 
-def _all_cached(
-    cache: ItemCache | None, items: list[tuple[torch.Tensor, ...]], tag: str
-) -> list | None:
-    """Every item's cached output, or None if one is missing (the caller then encodes)."""
-    if cache is None or not cache.enabled():
-        return None
-    outs = []
-    for inputs in items:
-        out = cache.get(inputs, tag)
-        if out is None:
-            return None
-        outs.append(out)
-    return outs
-
-
 def _visual_per_item(
     self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kw: Any
 ) -> Any:
@@ -186,11 +170,6 @@ def _visual_per_item(
     cache: ItemCache | None = getattr(self, "omni_item_cache", None)
     parts = hidden_states.split(grid_thw.prod(-1).tolist())
     items = [(parts[i], grid_thw[i]) for i in range(len(parts))]
-    if torch_kernels_on():  # the KL reference: the cached items if all are there, else batched
-        outs = _all_cached(cache, items, _tag(kw))
-        if outs is not None:
-            return outs[0] if len(outs) == 1 else _concat(outs)
-        return forward(self, hidden_states, grid_thw, **kw)
     from omni_grpo.models.vision_dedup import first_copies
 
     firsts = first_copies(hidden_states, grid_thw)  # a group's rows repeat their prompt's pixels
@@ -218,8 +197,7 @@ def _encode_per_item(
     if input_features.ndim != 3:
         return encode(self, input_features, feature_attention_mask, **kw)
     cache: ItemCache | None = getattr(self, "omni_item_cache", None)
-    given_mask = feature_attention_mask
-    single_unmasked = given_mask is None and input_features.shape[0] == 1
+    single_unmasked = feature_attention_mask is None and input_features.shape[0] == 1
     if feature_attention_mask is None:
         feature_attention_mask = torch.ones(
             input_features.shape[0], input_features.shape[2], dtype=torch.long
@@ -228,11 +206,6 @@ def _encode_per_item(
         (input_features[i : i + 1], feature_attention_mask[i : i + 1])
         for i in range(input_features.shape[0])
     ]
-    if torch_kernels_on():  # the KL reference: the cached items if all are there, else batched
-        outs = _all_cached(cache, items, _tag(kw))
-        if outs is not None:
-            return torch.cat(outs)
-        return encode(self, input_features, given_mask, **kw)
     lengths = feature_attention_mask.to(input_features.device).bool().sum(-1)
     firsts = same_items(input_features, lengths)
     pieces = {

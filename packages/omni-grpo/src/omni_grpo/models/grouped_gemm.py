@@ -17,6 +17,8 @@ at once.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,45 @@ def tiles(k: int, n: int) -> tuple[int, int]:
 BLOCK_M = 64
 
 
+class RowTiling(NamedTuple):
+    """How many rows a program's tile takes (``block_m``), its warps, and how many row tiles
+    run side by side over every column block before the next ones (``group_m``, the launch
+    order: :func:`swizzle`). None of them touches an output element's arithmetic — the same
+    ``BLOCK_K`` chunks of ``K`` in order, each through the same ``m64 x BLOCK_N x k16``
+    tensor-core instructions (a 128-row tile is two of them side by side) — so a row has the
+    same bits under every tiling (GPU-tested: ``tests/test_exact_gpu.py``); only the speed
+    differs (``benchmarks/exact_tiles.py``)."""
+
+    block_m: int
+    warps: int
+    group_m: int = 8
+
+
+DECODE_TILING = RowTiling(BLOCK_M, NUM_WARPS)  # a decode step's few rows: more, smaller tiles
+BULK_TILING = RowTiling(128, 8)  # a prefill or a training micro-batch: fewer reads of w per row
+# From here on the bulk tiling: a training micro-batch's tokens or routed pairs; a decode step of
+# 512 rows routes 4,096 pairs and keeps its one-kernel route's 64-row tile map.
+BULK_ROWS = 8192
+
+
+def row_tiling(rows: int) -> RowTiling:
+    """The row tiling for a product of ``rows`` rows (``exact.matmul`` and the grouped GEMM)."""
+    return BULK_TILING if rows >= BULK_ROWS else DECODE_TILING
+
+
 @triton.jit
+def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid``: ``GROUP_M`` row tiles at a time, each group over
+    every column block, so the programs in flight share their rows' and their columns' tiles in
+    L2. Row-tile-fastest over the whole grid (``GROUP_M >= num_m``), a training micro-batch's
+    16k rows were read once per column block: the grouped GEMM ran at half torch's rate."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit(do_not_specialize=["num_tiles"])  # the grid's size varies with the rows
 def _gmm_kernel(
     x_ptr,
     w_ptr,
@@ -53,12 +93,13 @@ def _gmm_kernel(
     stride_wn,
     stride_cm,
     stride_cn,
+    num_tiles,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_t, pid_n = swizzle(tl.program_id(0), num_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_t)
     if e >= 0:
         row0 = tl.load(tile_row_ptr + pid_t)
@@ -110,14 +151,20 @@ TileMap = tuple[torch.Tensor, torch.Tensor]  # (tile_expert, tile_row): tile_map
 
 
 def gmm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: TileMap | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    plan: TileMap | None = None,
+    rows_per_tile: RowTiling = DECODE_TILING,
 ) -> torch.Tensor:
     """``x [T, K]`` rows grouped by ``offs`` times ``w [E, K, N]`` (any strides), in ``x``'s dtype.
 
-    ``plan``: ``tile_map(offs, T)`` when the caller has it already. A MoE block makes six
-    grouped products over the same rows and offsets (gate_up, down and their LoRA A and B), and
-    the map is ~20 small kernels: the H200 generation profile showed its index, searchsorted and
-    scan kernels 6 times per layer and decode step, so ``exact.moe`` computes it once per block."""
+    ``plan``: ``tile_map(offs, T, rows_per_tile.block_m)`` when the caller has it already. A MoE
+    block makes six grouped products over the same rows and offsets (gate_up, down and their
+    LoRA A and B), and the map is ~20 small kernels: the H200 generation profile showed its
+    index, searchsorted and scan kernels 6 times per layer and decode step, so ``exact.moe``
+    computes it once per block. ``rows_per_tile``: :func:`row_tiling` (the tiles' rows and warps,
+    never the reduction; the plan must be cut for its ``block_m``)."""
     rows, k = x.shape
     experts, k2, n = w.shape
     if k != k2 or offs.numel() != experts:
@@ -125,9 +172,10 @@ def gmm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    tile_expert, tile_row = plan if plan is not None else tile_map(offs, rows)
+    block_m, warps, group_m = rows_per_tile
+    tile_expert, tile_row = plan if plan is not None else tile_map(offs, rows, block_m)
     block_n, block_k = tiles(k, n)
-    grid = (tile_expert.numel(), triton.cdiv(n, block_n))
+    grid = (tile_expert.numel() * triton.cdiv(n, block_n),)
     _gmm_kernel[grid](
         x,
         w,
@@ -144,10 +192,12 @@ def gmm(
         w.stride(2),
         out.stride(0),
         out.stride(1),
-        BLOCK_M=BLOCK_M,
+        tile_expert.numel(),
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=NUM_WARPS,
+        GROUP_M=group_m,
+        num_warps=warps,
         num_stages=NUM_STAGES,
     )
     return out

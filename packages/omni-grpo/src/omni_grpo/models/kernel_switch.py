@@ -1,12 +1,11 @@
 """Where exact mode may compute with torch's kernels: forwards never compared with the rollout.
 
 Exactness (``rollout.exact_logprobs``) is a property of *one* forward in training: the one whose
-logits give the policy logprobs. Two other forwards of a step only have to be right, not
-bitwise equal to the rollout:
-
-- the recompute of gradient checkpointing (part of the backward: it rebuilds the decoder
-  layers' activations for the gradients; the logprobs were taken in the first forward);
-- the KL reference's forward (its logprobs are never compared with the rollout's).
+logits give the policy logprobs. The recompute of gradient checkpointing (part of the backward:
+it rebuilds the decoder layers' activations for the gradients; the logprobs were taken in the
+first forward) only has to be right, not bitwise equal to the rollout. (The KL reference's
+forward keeps the exact kernels: the KL term then measures the adapters' effect, not a
+difference of kernels — ``backends.torch_backend``.)
 
 Inside :func:`torch_kernels` every exact autograd Function (``matmul``, ``grouped``,
 ``rowwise``, ``attention``, ``moe``) computes its forward with torch's kernels instead of the
