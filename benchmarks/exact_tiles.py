@@ -18,12 +18,13 @@ from typing import Any
 
 import harness
 import torch
+from omni_grpo.models.grouped_gemm import ROW_TILES_FIRST
 
 HIDDEN, Q_WIDTH, KV_WIDTH, EXPERTS, TOP_K, EXPERT_FFN, VOCAB = 2048, 4096, 512, 128, 8, 768, 152064
 TOKENS, COMPLETION, RANK, ALONE = 16384, 8192, 16, 7
 # (rows per tile, warps, row tiles per launch group); "m_first": the launch order before the
 # grouping (every row tile of a column block, then the next block: GROUP_M past the row tiles)
-M_FIRST = 1 << 16
+M_FIRST = ROW_TILES_FIRST
 TILINGS = {"64x4_m_first": (64, 4, M_FIRST), "128x8_m_first": (128, 8, M_FIRST)}
 TILINGS |= {"64x4": (64, 4, 8), "128x4": (128, 4, 8), "128x8": (128, 8, 8), "256x8": (256, 8, 8)}
 TILINGS |= {"128x8_g4": (128, 8, 4), "128x8_g16": (128, 8, 16)}

@@ -49,11 +49,17 @@ class RowTiling(NamedTuple):
 
     block_m: int
     warps: int
-    group_m: int = 8
+    group_m: int
 
 
-DECODE_TILING = RowTiling(BLOCK_M, NUM_WARPS)  # a decode step's few rows: more, smaller tiles
-BULK_TILING = RowTiling(128, 8)  # a prefill or a training micro-batch: fewer reads of w per row
+# A GROUP_M past any grid's row tiles: every row tile of a column block, then the next block —
+# the launch order the decode steps were measured with (benchmarks/results/decode_kernels_h200.json)
+ROW_TILES_FIRST = 1 << 16
+# a decode step's few rows: more, smaller tiles, in the order they always ran
+DECODE_TILING = RowTiling(BLOCK_M, NUM_WARPS, ROW_TILES_FIRST)
+# a prefill or a training micro-batch: 128-row tiles, 8 row tiles at a time over every column
+# block (benchmarks/exact_tiles.py: 1.3-1.6x on the 48-layer micro-batch's large products)
+BULK_TILING = RowTiling(128, 8, 8)
 # From here on the bulk tiling: a training micro-batch's tokens or routed pairs; a decode step of
 # 512 rows routes 4,096 pairs and keeps its one-kernel route's 64-row tile map.
 BULK_ROWS = 8192
