@@ -60,13 +60,12 @@ def test_grouped_gemm_rows_do_not_depend_on_the_row_tiling() -> None:
     assert torch.equal(bulk[:3], gmm(x[:3], w, alone, None, DECODE_TILING))
 
 
-def test_the_kl_reference_is_the_policy_at_untrained_adapters(world: dict[str, Any]) -> None:
-    """Exact mode, LoRA: the reference (adapters off) runs the policy's exact kernels, so at the
-    first step (B = 0) the KL term is exactly 0, not a difference of kernels."""
+def _exact_lora_backend(world: dict[str, Any], compile_: bool = False) -> tuple[Any, Any]:
+    """The tiny thinker in bf16 on CUDA, LoRA on attention and experts, checkpointed, KL 0.01,
+    switched to exact mode: ``(model, backend)``."""
     from omni_grpo.backends.torch_backend import TorchBackend
     from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
     from omni_grpo.exact import enable_exact_logprobs
-    from omni_grpo.types import GRPOBatch
 
     model = copy.deepcopy(world["base"]).to("cuda", torch.bfloat16)
     cfg = TrainerConfig(
@@ -74,10 +73,20 @@ def test_the_kl_reference_is_the_policy_at_untrained_adapters(world: dict[str, A
         lr=1e-3,
         micro_batch_size=8,
         gradient_checkpointing=True,
+        compile=compile_,
         lora=LoraConfig(rank=4, targets=["attention", "experts"]),
     )
     backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
     enable_exact_logprobs(model)
+    return model, backend
+
+
+def test_the_kl_reference_is_the_policy_at_untrained_adapters(world: dict[str, Any]) -> None:
+    """Exact mode, LoRA: the reference (adapters off) runs the policy's exact kernels, so at the
+    first step (B = 0) the KL term is exactly 0, not a difference of kernels."""
+    from omni_grpo.types import GRPOBatch
+
+    _, backend = _exact_lora_backend(world)
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]] * len(world["groups"]))
     metrics = backend.step(GRPOBatch(world["groups"], adv))
     assert metrics["kl_loss"] == 0.0
@@ -202,9 +211,6 @@ def test_every_completion_token_is_exact_over_grpo_steps(
 def test_exact_with_compile_trains_as_the_uncompiled_exact_step(world: dict[str, Any]) -> None:
     """The same groups, one step each: the loss is the same bits (the same exact forward and KL
     reference), the gradients those of a compiled recompute (bf16 rounding apart)."""
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
-    from omni_grpo.exact import enable_exact_logprobs
     from omni_grpo.types import GRPOBatch
 
     groups = world["groups"]
@@ -212,17 +218,7 @@ def test_exact_with_compile_trains_as_the_uncompiled_exact_step(world: dict[str,
     out = []
     for compile_ in (False, True):
         torch.manual_seed(5)
-        model = copy.deepcopy(world["base"]).to("cuda", torch.bfloat16)
-        cfg = TrainerConfig(
-            device="cuda",
-            lr=1e-3,
-            micro_batch_size=8,
-            gradient_checkpointing=True,
-            compile=compile_,
-            lora=LoraConfig(rank=4, targets=["attention", "experts"]),
-        )
-        backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
-        enable_exact_logprobs(model)
+        model, backend = _exact_lora_backend(world, compile_)
         start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         metrics = backend.step(GRPOBatch(groups, adv))
         delta = torch.cat(
