@@ -290,7 +290,7 @@ def test_the_kl_reference_forward_runs_on_the_exact_kernels(
     monkeypatch.setattr(backend, "_logits", logits)
     adv = torch.ones(len(world["groups"]), len(world["groups"][0]))
     for mb in make_micro_batches(world["groups"], adv, 8, world["eos"], token_budget=4096):
-        backend._reference_logp(mb, 1.0)
+        backend._reference_logits(mb)  # (its log-softmax is the exact Triton kernel: GPU test)
     assert seen and all(s == (False, True) for s in seen), seen
 
 
