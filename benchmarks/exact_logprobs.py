@@ -99,8 +99,7 @@ if __name__ == "__main__":
     harness.add_options(ap, micro_batch_tokens=16384, steps=5, modes="lora,full", seed=0)
     ap.add_argument("--profile", default="", help="a folder: profile one extra update per run")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("exact_logprobs.py needs a CUDA device (exact_logprobs is GPU-only)")
+    harness.cuda_device("exact_logprobs.py (exact logprobs are GPU-only)")
     harness.torch_threads(4)
     work = Path(args.work)
     skeleton = released.make_skeleton(work / "skeleton")

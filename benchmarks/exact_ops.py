@@ -213,9 +213,7 @@ def attention(dev: torch.device) -> dict[str, Any]:
 
 if __name__ == "__main__":
     args = harness.parser(__doc__).parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("exact_ops.py needs a CUDA device")
-    dev = torch.device("cuda")
+    dev = harness.cuda_device("exact_ops.py")
     torch.manual_seed(0)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     ops = {"linear": linears, "grouped": grouped, "rowwise": rowwise, "attention": attention}

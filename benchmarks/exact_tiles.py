@@ -118,9 +118,7 @@ def grouped(dev: torch.device, rate: float) -> dict[str, Any]:
 
 if __name__ == "__main__":
     args = harness.parser(__doc__).parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("exact_tiles.py needs a CUDA device")
-    dev = torch.device("cuda")
+    dev = harness.cuda_device("exact_tiles.py")
     torch.manual_seed(0)
     limits = harness.device_limits(dev)
     rate = limits["matmul_flops_per_s"]

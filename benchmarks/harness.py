@@ -18,7 +18,8 @@ process's peak RSS), ``status_kb("VmHWM")`` (a child's own peak RSS), ``nbytes(t
 ``state_tensors(optimizer)``. Processes: ``child_json(argv)`` (a side in its own process: its
 last JSON line), ``rerun("ours")`` (this script's own command + ``--side ours``: the child's
 ``args.side``, which ends with ``reply(record)``), ``progress(record)`` (a JSON line on stderr),
-``torch_threads(default)``. Records: ``train_metrics(run_dir)``, ``means(rows, keys)``,
+``torch_threads(default)``, ``cuda_device("NAME.py")`` (a GPU-only script's device, or its
+one-line exit). Records: ``train_metrics(run_dir)``, ``means(rows, keys)``,
 ``profile_table(fn, dst)`` (the ops' table), ``versions("peft")`` (python, git, GPU, packages).
 
 The baseline a figure is compared with is measured in the same run, never hard-coded: a ratio to
@@ -136,6 +137,14 @@ def gpu_seconds(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> li
         end.record()
     cuda.synchronize()
     return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
+def cuda_device(script: str) -> Any:
+    """``torch.device("cuda")``, or a one-line exit naming the GPU-only ``script``."""
+    torch = sys.modules["torch"]  # the caller's
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA device")
+    return torch.device("cuda")
 
 
 def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dict[str, Any]:
