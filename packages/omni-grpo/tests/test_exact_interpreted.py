@@ -114,16 +114,16 @@ def test_every_row_tiling_and_launch_order_covers_each_tile_once(tiling: tuple) 
     from omni_grpo.exact.matmul import mm
     from omni_grpo.models.grouped_gemm import RowTiling, gmm, tile_map
 
-    rows_per_tile = RowTiling(*tiling)
+    row_tiles = RowTiling(*tiling)
     a, b = torch.randn(300, 64), torch.randn(64, 300)
-    torch.testing.assert_close(mm(a, b, None, rows_per_tile), a @ b, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(mm(a, b, None, row_tiles), a @ b, rtol=1e-5, atol=1e-4)
     x, w = torch.randn(300, 32), torch.randn(5, 32, 260)
     offs = torch.tensor([0, 140, 140, 141, 300], dtype=torch.int32)
-    plan = tile_map(offs, 300, rows_per_tile.block_m)
+    plan = tile_map(offs, 300, row_tiles.block_m)
     bounds = [0, *offs.tolist()]
     pairs = enumerate(zip(bounds, bounds[1:], strict=False))
     ref = torch.cat([x[s:e] @ w[g] for g, (s, e) in pairs])
-    torch.testing.assert_close(gmm(x, w, offs, plan, rows_per_tile), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gmm(x, w, offs, plan, row_tiles), ref, rtol=1e-5, atol=1e-4)
 
 
 @interpreted

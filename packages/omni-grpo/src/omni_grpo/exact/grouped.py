@@ -25,10 +25,11 @@ from omni_grpo.models.grouped_gemm import (
     RowTiling,
     TileMap,
     gmm,
+    row_tiling,
     tile_map,
 )
 
-__all__ = ["BLOCK_M", "RowTiling", "TileMap", "gmm", "grouped_linear", "tile_map"]
+__all__ = ["BLOCK_M", "RowTiling", "TileMap", "gmm", "grouped_linear", "row_tiling", "tile_map"]
 
 
 def _reference_gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

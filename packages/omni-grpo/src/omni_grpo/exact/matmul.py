@@ -145,10 +145,10 @@ def mm(
     a: torch.Tensor,
     b: torch.Tensor,
     bias: torch.Tensor | None = None,
-    rows_per_tile: RowTiling | None = None,
+    tiling: RowTiling | None = None,
 ) -> torch.Tensor:
     """``a [M, K] @ b [K, N] (+ bias)`` in ``a``'s dtype with fp32 accumulation, row-invariant.
-    ``rows_per_tile``: the tiles' rows and warps (default ``row_tiling(M)``: 128-row tiles for
+    ``tiling``: the tiles' rows, warps and launch order (default ``row_tiling(M)``: 128-row tiles for
     a training micro-batch or a prefill, 64 for a decode step's rows)."""
     m, k = a.shape
     k2, n = b.shape
@@ -158,7 +158,7 @@ def mm(
     if m == 0:
         return out
     block_n, block_k, splits, chunk = config(k, n)
-    block_m, warps, group_m = rows_per_tile or row_tiling(m)
+    block_m, warps, group_m = tiling or row_tiling(m)
     split = splits > 1
     # split-K: the chunks' fp32 partials, summed in order below (bias added there)
     dest = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if split else out

@@ -20,7 +20,14 @@ from torch import nn
 
 from omni_grpo.exact import precision
 from omni_grpo.exact.combine import topk_sum
-from omni_grpo.exact.grouped import BLOCK_M, TileMap, grouped_linear, tile_map
+from omni_grpo.exact.grouped import (
+    BLOCK_M,
+    RowTiling,
+    TileMap,
+    grouped_linear,
+    row_tiling,
+    tile_map,
+)
 from omni_grpo.exact.matmul import linear
 from omni_grpo.exact.router import route as route_kernel
 from omni_grpo.exact.rowwise import softmax, tree_sum
@@ -33,7 +40,6 @@ from omni_grpo.models.grouped_experts import (
     gated,
     lora_factors,
 )
-from omni_grpo.models.grouped_gemm import RowTiling, row_tiling
 
 LoraFactors = tuple[torch.Tensor, torch.Tensor]  # (A^T, scale * B^T)
 

@@ -44,7 +44,7 @@ class RowTiling(NamedTuple):
     order: :func:`swizzle`). None of them touches an output element's arithmetic — the same
     ``BLOCK_K`` chunks of ``K`` in order, each through the same ``m64 x BLOCK_N x k16``
     tensor-core instructions (a 128-row tile is two of them side by side) — so a row has the
-    same bits under every tiling (GPU-tested: ``tests/test_exact_gpu.py``); only the speed
+    same bits under every tiling (GPU-tested: ``packages/omni-grpo/tests/test_exact_gpu.py``); only the speed
     differs (``benchmarks/exact_tiles.py``)."""
 
     block_m: int
@@ -161,15 +161,15 @@ def gmm(
     w: torch.Tensor,
     offs: torch.Tensor,
     plan: TileMap | None = None,
-    rows_per_tile: RowTiling = DECODE_TILING,
+    tiling: RowTiling = DECODE_TILING,
 ) -> torch.Tensor:
     """``x [T, K]`` rows grouped by ``offs`` times ``w [E, K, N]`` (any strides), in ``x``'s dtype.
 
-    ``plan``: ``tile_map(offs, T, rows_per_tile.block_m)`` when the caller has it already. A MoE
+    ``plan``: ``tile_map(offs, T, tiling.block_m)`` when the caller has it already. A MoE
     block makes six grouped products over the same rows and offsets (gate_up, down and their
     LoRA A and B), and the map is ~20 small kernels: the H200 generation profile showed its
     index, searchsorted and scan kernels 6 times per layer and decode step, so ``exact.moe``
-    computes it once per block. ``rows_per_tile``: :func:`row_tiling` (the tiles' rows and warps,
+    computes it once per block. ``tiling``: :func:`row_tiling` (the tiles' rows and warps,
     never the reduction; the plan must be cut for its ``block_m``)."""
     rows, k = x.shape
     experts, k2, n = w.shape
@@ -178,7 +178,7 @@ def gmm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, warps, group_m = rows_per_tile
+    block_m, warps, group_m = tiling
     tile_expert, tile_row = plan if plan is not None else tile_map(offs, rows, block_m)
     block_n, block_k = tiles(k, n)
     grid = (tile_expert.numel() * triton.cdiv(n, block_n),)
