@@ -60,6 +60,34 @@ def test_grouped_gemm_rows_do_not_depend_on_the_row_tiling() -> None:
     assert torch.equal(bulk[:3], gmm(x[:3], w, alone, None, DECODE_TILING))
 
 
+@pytest.mark.parametrize("rows", [8000, 300])
+def test_the_grouped_gemm_residual_is_torchs_add_of_the_product(rows: int) -> None:
+    """The LoRA ``B`` product with the base product added in its epilogue (``exact.moe``): the
+    bits of torch's bf16 add of the two stored tensors, under the bulk and the decode tiling."""
+    from omni_grpo.exact.grouped import gmm, row_tiling, tile_map
+
+    x, w, res = _bf16(rows, 16), _bf16(16, 16, 1536) / 4, _bf16(rows, 1536)
+    offs = torch.linspace(rows // 16, rows, 16, device="cuda").to(torch.int32)
+    offs[3] = offs[2]  # an empty expert
+    tiling = row_tiling(rows)
+    plan = tile_map(offs, rows, tiling.block_m)
+    fused = gmm(x, w, offs, plan, tiling, res)
+    assert torch.equal(fused, res + gmm(x, w, offs, plan, tiling))
+    with pytest.raises(ValueError, match="residual"):
+        gmm(x, w, offs, plan, tiling, res[:, :8])
+
+
+def test_the_top_k_sum_reads_the_expert_order_rows_as_the_unsorted_copy() -> None:
+    from omni_grpo.exact.combine import topk_sum_kernel, topk_sum_rows_kernel
+
+    tokens, top_k = 3000, 8
+    rows = _bf16(tokens * top_k, 2048)
+    inv = torch.randperm(tokens * top_k, device="cuda")
+    w = torch.rand(tokens, top_k, device="cuda").to(torch.bfloat16)
+    want = topk_sum_kernel(rows.index_select(0, inv).view(tokens, top_k, -1), w, torch.bfloat16)
+    assert torch.equal(topk_sum_rows_kernel(rows, inv, w, torch.bfloat16), want)
+
+
 def _exact_lora_backend(world: dict[str, Any], compile_: bool = False) -> tuple[Any, Any]:
     """The tiny thinker in bf16 on CUDA, LoRA on attention and experts, checkpointed, KL 0.01,
     switched to exact mode: ``(model, backend)``."""

@@ -147,6 +147,49 @@ def test_topk_sum_matches_the_weighted_sum_and_its_gradient() -> None:
 
 
 @interpreted
+def test_unsorted_top_k_sum_is_unsort_then_top_k_sum_with_its_gradients() -> None:
+    from omni_grpo.exact.combine import topk_sum, unsort_topk_sum
+    from omni_grpo.models.grouped_experts import Unsort
+
+    torch.manual_seed(0)
+    tokens, top_k = 37, 3
+    rows = torch.randn(tokens * top_k, 300, requires_grad=True)
+    w = torch.rand(tokens, top_k, requires_grad=True)
+    perm = torch.randperm(tokens * top_k)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    out = unsort_topk_sum(rows, inv, perm, w, torch.float32)
+    ref = topk_sum(Unsort.apply(rows, inv, perm).view(tokens, top_k, -1), w, torch.float32)
+    assert torch.equal(out, ref)  # the same kernel arithmetic on the same values
+    g = torch.randn_like(out)
+    for a, e in zip(
+        torch.autograd.grad(out, (rows, w), g), torch.autograd.grad(ref, (rows, w), g), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
+def test_grouped_gemm_residual_adds_the_product_with_its_gradients() -> None:
+    from omni_grpo.exact.grouped import grouped_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(150, 16, requires_grad=True)
+    w = torch.randn(5, 16, 24, requires_grad=True)
+    res = torch.randn(150, 24, requires_grad=True)
+    offs = torch.tensor([0, 70, 70, 71, 150], dtype=torch.int32)
+    out = grouped_linear(x, w, offs, residual=res)
+    ref = res + grouped_linear(x, w, offs)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    g = torch.randn_like(out)
+    for a, e in zip(
+        torch.autograd.grad(out, (x, w, res), g),
+        torch.autograd.grad(ref, (x, w, res), g),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
 def test_grouped_gemm_matches_per_group_products_with_empty_groups() -> None:
     from omni_grpo.exact.grouped import grouped_linear, tile_map
 

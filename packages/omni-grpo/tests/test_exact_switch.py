@@ -51,18 +51,20 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *_: Any) -> Any:
         return a @ b if bias is None else a @ b + bias
 
-    def topk(p: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (p * w[..., None]).sum(1).to(dtype)
+    def topk(rows: torch.Tensor, inv: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> Any:
+        return (rows[inv].view(*w.shape, -1) * w[..., None]).sum(1).to(dtype)
 
     monkeypatch.setattr(matmul, "mm", counted("mm", mm))
 
-    def gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *_: Any) -> torch.Tensor:
-        return grouped._reference_gmm(x, w, offs)  # plan and row tiling: the same products
+    def gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *rest: Any) -> torch.Tensor:
+        out = grouped._reference_gmm(x, w, offs)  # plan and row tiling: the same products
+        residual = rest[2] if len(rest) > 2 else None
+        return out if residual is None else residual + out
 
     monkeypatch.setattr(grouped, "gmm", counted("gmm", gmm))
     monkeypatch.setattr(rowwise, "rmsnorm_rows", counted("rmsnorm", rowwise._torch_rmsnorm))
     monkeypatch.setattr(attention, "exact_attention", counted("attention", _sdpa_reference))
-    monkeypatch.setattr(combine, "topk_sum_kernel", counted("topk_sum", topk))
+    monkeypatch.setattr(combine, "topk_sum_rows_kernel", counted("topk_sum", topk))
     return calls
 
 
@@ -84,12 +86,12 @@ def _layer(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """A decoder layer made of every exact Function: RMSNorm, the q/k/v/o products, attention,
     the router, the grouped experts and the top-k sum."""
     from omni_grpo.exact.attention import attention_forward
-    from omni_grpo.exact.combine import topk_sum
+    from omni_grpo.exact.combine import unsort_topk_sum
     from omni_grpo.exact.grouped import grouped_linear
     from omni_grpo.exact.matmul import linear
     from omni_grpo.exact.moe import route
     from omni_grpo.exact.rowwise import rmsnorm
-    from omni_grpo.models.grouped_experts import ExpandSorted, Unsort, sort_by_expert
+    from omni_grpo.models.grouped_experts import ExpandSorted, sort_by_expert
 
     f32 = torch.float32
     h = rmsnorm(x, w["norm"], 1e-6)
@@ -102,8 +104,8 @@ def _layer(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     index, weights = route(SimpleNamespace(weight=w["gate"]), flat, TOP_K)
     perm, inv, offs = sort_by_expert(index, E, stable=True)
     xs = ExpandSorted.apply(flat, perm // TOP_K, inv, TOP_K)
-    pairs = Unsort.apply(grouped_linear(xs, w["experts"], offs), inv, perm)
-    return h + topk_sum(pairs.view(-1, TOP_K, HIDDEN), weights, f32).view_as(h)
+    rows = grouped_linear(xs, w["experts"], offs)
+    return h + unsort_topk_sum(rows, inv, perm, weights, f32).view_as(h)
 
 
 def _grads(out: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -8,6 +8,10 @@ reads a block of tokens' ``top_k`` rows once and adds ``pairs[t, s] * w[t, s]`` 
 fp32 registers: an element's arithmetic involves only its own token, whatever the batch. Backward
 is torch's (any kernel may serve the gradient), and under ``exact.switch.torch_kernels`` the
 forward is the off path's ``bmm``.
+
+:func:`unsort_topk_sum` reads the experts' output rows where they lie (expert order) through the
+pairs' inverse permutation instead of a gathered ``[T, k, H]`` copy: the same values in the same
+order, so the same bits, without writing and reading back the MoE block's largest tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def _topk_sum_kernel(
     p_ptr,
     w_ptr,
     o_ptr,
+    idx_ptr,
     T,
     H,
     stride_pt,
@@ -39,7 +44,10 @@ def _topk_sum_kernel(
     K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
+    """``GATHER``: pair ``(t, s)`` is row ``idx[t * K + s]`` of ``p`` (``stride_pt`` its row
+    stride); else ``p[t, s]`` of a ``[T, K, H]`` tensor."""
     rt = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = rt < T
@@ -47,9 +55,12 @@ def _topk_sum_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     for s in tl.static_range(K):
         w = tl.load(w_ptr + rt * stride_wt + s * stride_ws, mask=t_ok, other=0.0).to(tl.float32)
-        p = tl.load(
-            p_ptr + rt[:, None] * stride_pt + s * stride_ps + rh[None, :], mask=ok, other=0.0
-        ).to(tl.float32)
+        if GATHER:
+            row = tl.load(idx_ptr + rt * K + s, mask=t_ok, other=0).to(tl.int64)
+            at = p_ptr + row[:, None] * stride_pt + rh[None, :]
+        else:
+            at = p_ptr + rt[:, None] * stride_pt + s * stride_ps + rh[None, :]
+        p = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         acc += p * w[:, None]
     tl.store(o_ptr + rt[:, None] * stride_ot + rh[None, :], acc.to(o_ptr.dtype.element_ty), mask=ok)
 
@@ -60,23 +71,49 @@ def topk_sum_kernel(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dty
     tokens, top_k, hidden = pairs.shape
     if pairs.stride(-1) != 1:
         pairs = pairs.contiguous()
-    out = torch.empty(tokens, hidden, dtype=dtype, device=pairs.device)
+    return _launch(pairs, pairs.stride(0), pairs.stride(1), None, weights, dtype)
+
+
+def topk_sum_rows_kernel(
+    rows: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`topk_sum_kernel` of ``rows[inv].view(T, k, H)`` without the gathered copy:
+    ``rows [T * k, H]`` (the experts' outputs in expert order), ``inv [T * k]`` the row of
+    each (token, slot) pair, ``weights [T, k]``."""
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return _launch(rows, rows.stride(0), 0, inv, weights, dtype)
+
+
+def _launch(
+    p: torch.Tensor,
+    stride_pt: int,
+    stride_ps: int,
+    idx: torch.Tensor | None,
+    weights: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    tokens, top_k = weights.shape
+    hidden = p.shape[-1]
+    out = torch.empty(tokens, hidden, dtype=dtype, device=p.device)
     if tokens:
         grid = (triton.cdiv(tokens, BLOCK_T), triton.cdiv(hidden, BLOCK_H))
         _topk_sum_kernel[grid](
-            pairs,
+            p,
             weights,
             out,
+            out if idx is None else idx,  # not read without GATHER
             tokens,
             hidden,
-            pairs.stride(0),
-            pairs.stride(1),
+            stride_pt,
+            stride_ps,
             weights.stride(0),
             weights.stride(1),
             out.stride(0),
             K=top_k,
             BLOCK_T=BLOCK_T,
             BLOCK_H=BLOCK_H,
+            GATHER=idx is not None,
             num_warps=4,
         )
     return out
@@ -110,3 +147,49 @@ def topk_sum(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> 
     """Differentiable :func:`topk_sum_kernel`: a token's ``top_k`` expert outputs weighted and
     summed, row-invariant."""
     return _TopkSum.apply(pairs, weights, dtype)
+
+
+class _UnsortTopkSum(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        rows: torch.Tensor,
+        inv: torch.Tensor,
+        perm: torch.Tensor,
+        weights: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(rows, inv, perm, weights)
+        tokens, top_k = weights.shape
+        if torch_kernels_on():  # a recompute: the off path's gather and bmm
+            pairs = rows.index_select(0, inv).view(tokens, top_k, rows.shape[-1])
+            w = weights.to(pairs.dtype).reshape(tokens, 1, top_k)
+            return torch.bmm(w, pairs).view(tokens, -1).to(dtype)
+        return topk_sum_rows_kernel(rows, inv, weights, dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        rows, inv, perm, weights = ctx.saved_tensors
+        tokens, top_k = weights.shape
+        g = grad.to(rows.dtype)
+        grad_rows = grad_w = None
+        if ctx.needs_input_grad[0]:  # d pairs, then back to expert order (Unsort's backward)
+            grad_pairs = g[:, None, :] * weights.to(rows.dtype)[:, :, None]
+            grad_rows = grad_pairs.view(tokens * top_k, -1).index_select(0, perm)
+        if ctx.needs_input_grad[3]:
+            pairs = rows.index_select(0, inv).view(tokens, top_k, -1)
+            grad_w = torch.bmm(pairs, g[:, :, None])[:, :, 0].to(weights.dtype)
+        return grad_rows, None, None, grad_w, None
+
+
+def unsort_topk_sum(
+    rows: torch.Tensor,
+    inv: torch.Tensor,
+    perm: torch.Tensor,
+    weights: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``topk_sum(Unsort(rows, inv, perm).view(T, k, H), weights, dtype)`` in one kernel, the
+    same bits: ``rows`` the experts' outputs in expert order, ``inv``/``perm`` the pairs'
+    permutation (``grouped_experts.expert_order``), ``weights [T, k]``."""
+    return _UnsortTopkSum.apply(rows, inv, perm, weights, dtype)

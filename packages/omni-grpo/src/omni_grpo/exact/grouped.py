@@ -65,22 +65,25 @@ class _GroupedMM(torch.autograd.Function):
         offs: torch.Tensor,
         plan: TileMap | None,
         tiling: RowTiling,
+        residual: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, w, offs)
         if torch_kernels_on():  # a recompute (exact.switch)
-            return _reference_gmm(x, w, offs)
-        return gmm(x, w, offs, plan, tiling)
+            out = _reference_gmm(x, w, offs)
+            return out if residual is None else residual + out
+        return gmm(x, w, offs, plan, tiling, residual)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, w, offs = ctx.saved_tensors
+        grad_residual = grad if ctx.needs_input_grad[5] else None
         grad = grad.to(x.dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = _reference_gmm(grad, w.transpose(-2, -1).to(x.dtype), offs)
         if ctx.needs_input_grad[1]:
             grad_w = _weight_grad(x, grad, offs).to(w.dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, grad_residual
 
 
 def grouped_linear(
@@ -89,7 +92,9 @@ def grouped_linear(
     offs: torch.Tensor,
     plan: TileMap | None = None,
     tiling: RowTiling = DECODE_TILING,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable :func:`gmm` (``w`` cast to ``x``'s dtype first, as autocast would);
-    ``plan`` cut for ``tiling.block_m``."""
-    return _GroupedMM.apply(x, w.to(x.dtype), offs, plan, tiling)
+    ``plan`` cut for ``tiling.block_m``; ``residual``: added in the kernel's epilogue, the bits
+    of ``residual + grouped_linear(x, w, offs)``."""
+    return _GroupedMM.apply(x, w.to(x.dtype), offs, plan, tiling, residual)

@@ -6,8 +6,9 @@ fp32 softmax, top-k and renormalisation in one per-token kernel (``exact.router`
 bf16-equal router logits pick the lower expert in both paths, as a stable sort would;
 ``torch.topk``'s tie order is the kernel's),
 the experts through the invariant grouped GEMM (LoRA adapters as ``x W + scale (x A^T) B^T``,
-the grouped path's math, never ``W + B A``), and the top-k outputs summed in slot order in fp32
-by one kernel (``exact.combine``; the trainer's ``bmm`` picks its kernel from the token count).
+the grouped path's math, never ``W + B A``; the sum in the ``B`` product's epilogue), and the
+top-k outputs, read in expert order, summed in slot order in fp32 by one kernel
+(``exact.combine``; the trainer's ``bmm`` picks its kernel from the token count).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from omni_grpo.exact import precision
-from omni_grpo.exact.combine import topk_sum
+from omni_grpo.exact.combine import unsort_topk_sum
 from omni_grpo.exact.grouped import (
     BLOCK_M,
     RowTiling,
@@ -35,7 +36,6 @@ from omni_grpo.exact.switch import torch_kernels_on
 from omni_grpo.models.grouped_experts import (
     ADAPTER,
     ExpandSorted,
-    Unsort,
     expert_order,
     gated,
     lora_factors,
@@ -73,12 +73,14 @@ def _project(
     grouped: tuple[torch.Tensor, TileMap | None, RowTiling],
     lora: Any,
 ) -> torch.Tensor:
-    """``x W`` (+ the adapter's ``(x A^T) (scale B^T)``); ``grouped``: offsets, map, tiling."""
+    """``x W`` (+ the adapter's ``(x A^T) (scale B^T)``, added in the ``B`` product's epilogue:
+    the bits of the two products' sum); ``grouped``: offsets, map, tiling."""
     w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
     out = grouped_linear(x, w, *grouped)
     if lora is not None:
         a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts.lora_factors)
-        out = out + grouped_linear(grouped_linear(x, a_t, *grouped), b_t, *grouped)
+        low = grouped_linear(x, a_t, *grouped)
+        out = grouped_linear(low, b_t, *grouped, residual=out)
     return out
 
 
@@ -87,7 +89,6 @@ def experts_forward(
 ) -> torch.Tensor:
     """transformers' experts contract (``[T, H]`` tokens, ``[T, k]`` ids and weights) -> ``[T, H]``."""
     base, lora = experts_and_adapters(experts)
-    num_tokens, width = hidden.shape
     top_k = top_k_index.shape[-1]
     num_experts = base.gate_up_proj.shape[0]
     # the stable order in every forward (a decode step's one-kernel route is stable too), so a
@@ -114,8 +115,7 @@ def experts_forward(
         grouped,
         lora.get("down_proj"),
     )
-    pairs = Unsort.apply(out, inv, perm).view(num_tokens, top_k, width)
-    return topk_sum(pairs, weights, hidden.dtype)
+    return unsort_topk_sum(out, inv, perm, weights, hidden.dtype)
 
 
 def route(gate: nn.Module, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

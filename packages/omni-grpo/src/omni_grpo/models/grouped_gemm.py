@@ -87,6 +87,7 @@ def _gmm_kernel(
     x_ptr,
     w_ptr,
     c_ptr,
+    r_ptr,
     tile_expert_ptr,
     tile_row_ptr,
     ends_ptr,
@@ -99,11 +100,14 @@ def _gmm_kernel(
     stride_wn,
     stride_cm,
     stride_cn,
+    stride_rm,
+    stride_rn,
     num_tiles,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     pid_t, pid_n = swizzle(tl.program_id(0), num_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_t)
@@ -128,11 +132,12 @@ def _gmm_kernel(
                 other=0.0,
             )
             acc = tl.dot(a, b, acc)
-        tl.store(
-            c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
-            acc.to(c_ptr.dtype.element_ty),
-            mask=(rm[:, None] < end) & (rn[None, :] < N),
-        )
+        keep = (rm[:, None] < end) & (rn[None, :] < N)
+        c = acc.to(c_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:  # residual + c, rounded as torch's add of the two stored tensors
+            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=keep)
+            c = (r.to(tl.float32) + c.to(tl.float32)).to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=keep)
 
 
 def tile_map(offs: torch.Tensor, rows: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, ...]:
@@ -162,6 +167,7 @@ def gmm(
     offs: torch.Tensor,
     plan: TileMap | None = None,
     tiling: RowTiling = DECODE_TILING,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [T, K]`` rows grouped by ``offs`` times ``w [E, K, N]`` (any strides), in ``x``'s dtype.
 
@@ -170,11 +176,22 @@ def gmm(
     LoRA A and B), and the map is ~20 small kernels: the H200 generation profile showed its
     index, searchsorted and scan kernels 6 times per layer and decode step, so ``exact.moe``
     computes it once per block. ``tiling``: :func:`row_tiling` (the tiles' rows and warps,
-    never the reduction; the plan must be cut for its ``block_m``)."""
+    never the reduction; the plan must be cut for its ``block_m``).
+
+    ``residual [T, N]`` (``x``'s dtype): ``residual + x @ w`` with the product rounded to the
+    dtype first — the bits of ``residual + gmm(x, w, offs)`` in torch, in one pass. Why: a LoRA
+    adapter's ``B`` product is added to the base product's output (``exact.moe``); as two kernels
+    the rank-16 product writes a full ``[pairs, N]`` tensor that the add reads back with the
+    residual and writes again, two of the four passes over the MoE block's largest tensors."""
     rows, k = x.shape
     experts, k2, n = w.shape
     if k != k2 or offs.numel() != experts:
         raise ValueError(f"gmm: x {tuple(x.shape)}, w {tuple(w.shape)}, {offs.numel()} offsets")
+    if residual is not None and (residual.shape != (rows, n) or residual.dtype != x.dtype):
+        raise ValueError(
+            f"gmm: residual {tuple(residual.shape)} {residual.dtype} for a ({rows}, {n}) "
+            f"{x.dtype} product"
+        )
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -182,10 +199,12 @@ def gmm(
     tile_expert, tile_row = plan if plan is not None else tile_map(offs, rows, block_m)
     block_n, block_k = tiles(k, n)
     grid = (tile_expert.numel() * triton.cdiv(n, block_n),)
+    res = out if residual is None else residual  # not read without a residual
     _gmm_kernel[grid](
         x,
         w,
         out,
+        res,
         tile_expert,
         tile_row,
         offs.to(torch.int32),
@@ -198,11 +217,14 @@ def gmm(
         w.stride(2),
         out.stride(0),
         out.stride(1),
+        res.stride(0),
+        res.stride(1),
         tile_expert.numel(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUP_M=group_m,
+        HAS_RESIDUAL=residual is not None,
         num_warps=warps,
         num_stages=NUM_STAGES,
     )
