@@ -127,29 +127,8 @@ def test_every_row_tiling_and_launch_order_covers_each_tile_once(tiling: tuple) 
 
 
 @interpreted
-def test_topk_sum_matches_the_weighted_sum_and_its_gradient() -> None:
-    from omni_grpo.exact.combine import topk_sum
-
-    torch.manual_seed(0)
-    p = torch.randn(37, 3, 300, requires_grad=True)
-    w = torch.rand(37, 3, requires_grad=True)
-    out = topk_sum(p, w, torch.float32)
-    ref = (p * w[..., None]).sum(1)
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    g = torch.randn_like(out)
-    for a, e in zip(
-        torch.autograd.grad(out, (p, w), g), torch.autograd.grad(ref, (p, w), g), strict=True
-    ):
-        # w's gradient is a 300-term fp32 dot product summed in another order than torch's:
-        # ~300 * 2^-24 * sum |g p| (~250) ~ 4e-3 at worst, ~1e-5 typically (1.18e-5 was seen
-        # once unseeded); a wrong weight or row is off by O(1)
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
-
-
-@interpreted
-def test_unsorted_top_k_sum_is_unsort_then_top_k_sum_with_its_gradients() -> None:
-    from omni_grpo.exact.combine import topk_sum, unsort_topk_sum
-    from omni_grpo.models.grouped_experts import Unsort
+def test_top_k_sum_over_expert_order_rows_matches_the_weighted_sum_and_its_gradients() -> None:
+    from omni_grpo.exact.combine import topk_sum_kernel, unsort_topk_sum
 
     torch.manual_seed(0)
     tokens, top_k = 37, 3
@@ -159,13 +138,18 @@ def test_unsorted_top_k_sum_is_unsort_then_top_k_sum_with_its_gradients() -> Non
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel())
     out = unsort_topk_sum(rows, inv, perm, w, torch.float32)
-    ref = topk_sum(Unsort.apply(rows, inv, perm).view(tokens, top_k, -1), w, torch.float32)
-    assert torch.equal(out, ref)  # the same kernel arithmetic on the same values
+    pairs = rows[inv].view(tokens, top_k, -1)  # what Unsort gathered
+    assert torch.equal(out, topk_sum_kernel(pairs.detach(), w.detach(), torch.float32))
+    ref = (pairs * w[..., None]).sum(1)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     g = torch.randn_like(out)
     for a, e in zip(
         torch.autograd.grad(out, (rows, w), g), torch.autograd.grad(ref, (rows, w), g), strict=True
     ):
-        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+        # w's gradient is a 300-term fp32 dot product summed in another order than torch's:
+        # ~300 * 2^-24 * sum |g p| (~250) ~ 4e-3 at worst, ~1e-5 typically (1.18e-5 was seen
+        # once unseeded); a wrong weight or row is off by O(1)
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
 
 
 @interpreted

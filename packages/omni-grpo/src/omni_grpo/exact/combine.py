@@ -9,9 +9,11 @@ fp32 registers: an element's arithmetic involves only its own token, whatever th
 is torch's (any kernel may serve the gradient), and under ``exact.switch.torch_kernels`` the
 forward is the off path's ``bmm``.
 
-:func:`unsort_topk_sum` reads the experts' output rows where they lie (expert order) through the
-pairs' inverse permutation instead of a gathered ``[T, k, H]`` copy: the same values in the same
-order, so the same bits, without writing and reading back the MoE block's largest tensor.
+:func:`unsort_topk_sum` (the differentiable form ``exact.moe`` calls) reads the experts' output
+rows where they lie (expert order) through the pairs' inverse permutation instead of a gathered
+``[T, k, H]`` copy: the same values in the same order, so the same bits, without writing and
+reading back the MoE block's largest tensor. :func:`topk_sum_kernel` (over such a copy) is what
+the tests hold it to.
 """
 
 from __future__ import annotations
@@ -119,36 +121,6 @@ def _launch(
     return out
 
 
-class _TopkSum(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        ctx.save_for_backward(pairs, weights)
-        if torch_kernels_on():  # a recompute: the off path's bmm
-            tokens, top_k, hidden = pairs.shape
-            w = weights.to(pairs.dtype).reshape(tokens, 1, top_k)
-            return torch.bmm(w, pairs).view(tokens, hidden).to(dtype)
-        return topk_sum_kernel(pairs, weights, dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any, None]:  # type: ignore[override]
-        pairs, weights = ctx.saved_tensors
-        g = grad.to(pairs.dtype)
-        grad_pairs = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_pairs = g[:, None, :] * weights.to(pairs.dtype)[:, :, None]
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.bmm(pairs, g[:, :, None])[:, :, 0].to(weights.dtype)
-        return grad_pairs, grad_w, None
-
-
-def topk_sum(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Differentiable :func:`topk_sum_kernel`: a token's ``top_k`` expert outputs weighted and
-    summed, row-invariant."""
-    return _TopkSum.apply(pairs, weights, dtype)
-
-
 class _UnsortTopkSum(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -189,7 +161,8 @@ def unsort_topk_sum(
     weights: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``topk_sum(Unsort(rows, inv, perm).view(T, k, H), weights, dtype)`` in one kernel, the
-    same bits: ``rows`` the experts' outputs in expert order, ``inv``/``perm`` the pairs'
-    permutation (``grouped_experts.expert_order``), ``weights [T, k]``."""
+    """Differentiable :func:`topk_sum_rows_kernel`: each token's ``top_k`` expert outputs
+    weighted and summed, row-invariant, with the bits of :func:`topk_sum_kernel` over the
+    unsorted copy ``rows[inv].view(T, k, H)``. ``rows`` the experts' outputs in expert order,
+    ``inv``/``perm`` the pairs' permutation (``grouped_experts.expert_order``), ``weights [T, k]``."""
     return _UnsortTopkSum.apply(rows, inv, perm, weights, dtype)
