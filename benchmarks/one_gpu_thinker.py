@@ -231,6 +231,8 @@ if __name__ == "__main__":
     if args.profile:  # one more update, then 64 new tokens of eager generation (a CUDA graph's
         # kernels are not traced one by one), media encoded as in a timed step: <dst>.generation.txt
         dst, batch = Path(args.profile), GRPOBatch(groups, adv, temperature=sampling.temperature)
+        backend.exact_watch.enabled = False  # the last step's batch after its update: its
+        # rollout logprobs are one policy version old, so they differ by design
         harness.profile_table(lambda: backend.step(batch), dst)
         clear_item_caches(thinker)  # a no-op with the option off
         short = sampling.model_copy(update={"max_new_tokens": 64})
