@@ -354,6 +354,52 @@ def test_an_exception_in_an_actor_is_one_line_with_its_log(tmp_path: Path) -> No
     assert str(log) in head and any("about to fail" in line for line in rest)
 
 
+class _Peer:
+    """A rank whose step either raises as a peer of a killed rank does (its collective broken)
+    after ``raise_after`` s, or dies (process exit, as under kill -9) after ``die_after`` s."""
+
+    def step(self, raise_after: float | None, die_after: float | None) -> None:
+        import os
+        import time
+
+        if raise_after is not None:
+            time.sleep(raise_after)
+            raise RuntimeError("gloo: Read error: Connection reset by peer")
+        if die_after is not None:
+            time.sleep(die_after)
+            os._exit(1)
+        time.sleep(60)  # blocked in a collective with a rank that raised
+
+
+@pytest.mark.parametrize("peer_dies", [True, False])
+def test_a_broken_collective_is_blamed_on_the_rank_that_died(
+    tmp_path: Path, peer_dies: bool
+) -> None:
+    """The CI race of the killed-rank run: rank 0's broken collective reaches the driver before
+    Ray has marked the killed rank 1 dead; the error names the death, the cause. When no peer
+    dies, the exception itself is the failure (after the grace for news of a death)."""
+    from omni_grpo.ray.driver import ActorFailure, ActorSet
+
+    logs = [tmp_path / f"trainer-{r}.log" for r in range(2)]
+    actors = ActorSet(
+        "trainer rank", [ray.remote(_Peer).options(num_cpus=0.1).remote() for _ in range(2)], logs
+    )
+    refs = [
+        actors.handles[0].step.remote(0.0, None),
+        actors.handles[1].step.remote(None, 1.0 if peer_dies else None),
+    ]
+    try:
+        with pytest.raises(ActorFailure) as err:
+            actors.get(refs, [0, 1], "step")
+    finally:
+        actors.kill()
+    head = str(err.value).splitlines()[0]
+    if peer_dies:
+        assert head.startswith("trainer rank 1 died during step"), head
+    else:
+        assert head.startswith("trainer rank 0 raised during step: RuntimeError: gloo"), head
+
+
 # ------------------------------------------------------------------ issue 30: kills and signals
 def _fault_config(tmp_path: Path, name: str, run: Path, steps: int) -> Path:
     return write_config(

@@ -22,7 +22,9 @@ and hands the loop three stand-ins:
 
 Faults: every wait on an actor goes through :meth:`ActorSet.get`. A dead actor (kill -9, OOM
 kill) or an exception inside one stops the wait at once with :class:`ActorFailure`. Its message
-is one line naming the role and rank, followed by that actor's last log lines. The other actors
+is one line naming the role and rank, followed by that actor's last log lines. An exception that
+arrives while a peer is dying (its collective broken by the death) waits a few seconds for Ray's
+news of the death and names the dead actor, the cause (:meth:`ActorSet.peer_death`). The other actors
 may be blocked in a collective with the dead one, so :meth:`RayRun.close` kills them all rather
 than waiting for them.
 """
@@ -66,6 +68,9 @@ PROPAGATED_ENV: tuple[str, ...] = (
     "TRANSFORMERS_OFFLINE",
 )
 POLL_S = 0.5
+# how long an actor's exception waits for news of a peer's death (the likelier cause) before it is
+# reported as the failure itself: Ray marks a killed actor dead within about a second
+DEATH_GRACE_S = 5.0
 
 
 def connect(ray_cfg: Any) -> bool:
@@ -186,11 +191,39 @@ class ActorSet:
                 try:
                     results[k] = ray.get(ref)
                 except (ray.exceptions.RayError, ray.exceptions.RayTaskError) as err:
+                    if isinstance(err, ray.exceptions.RayTaskError) and pending:
+                        died = self.peer_death(pending, indices, what)
+                        if died is not None:
+                            raise died from None
                     raise self.failure(indices[k], err, what) from None
             if deadline is not None and time.monotonic() > deadline:
                 late = sorted(indices[k] for k in pending.values())
                 raise ActorFailure(f"{self.role} {late} did not finish {what} within {timeout_s}s")
         return results
+
+    def peer_death(
+        self, pending: dict[Any, int], indices: list[int], what: str, grace_s: float = DEATH_GRACE_S
+    ) -> ActorFailure | None:
+        """The failure of a still-pending actor that *died* within ``grace_s``, else None.
+
+        Why: when one rank is killed mid-step, its peers' collectives break ("Connection reset by
+        peer") and a peer's exception can reach the driver before Ray has marked the dead actor:
+        the error to report is the death (the cause), not the peer's broken collective."""
+        import ray
+
+        deadline = time.monotonic() + grace_s
+        left = dict(pending)
+        while left and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(left), num_returns=1, timeout=0.2)
+            for ref in ready:
+                k = left.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError:
+                    continue  # raised too: not the cause
+                except ray.exceptions.RayError as err:
+                    return self.failure(indices[k], err, what)
+        return None
 
     def wait_works(self, works: list[Any], refs: Sequence[Any], timeout_s: float) -> None:
         """Wait for the driver's side of collectives while watching the actors' side for faults."""
