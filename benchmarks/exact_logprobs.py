@@ -21,7 +21,7 @@ import torch
 from omni_grpo.config import LoraConfig
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.exact import enable_exact_logprobs
-from omni_grpo.exact.towers import clear_item_caches
+from omni_grpo.models.item_cache import clear_item_caches
 from omni_grpo.types import GRPOBatch, SamplingParams
 
 KINDS = ("image", "audio", "video", "text")

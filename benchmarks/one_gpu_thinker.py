@@ -41,7 +41,7 @@ import torch
 from omni_grpo.config import LoraConfig
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.exact import enable_exact_logprobs
-from omni_grpo.exact.towers import clear_item_caches
+from omni_grpo.models.item_cache import clear_item_caches
 from omni_grpo.models.lora import peft_config
 from omni_grpo.rollout.partial import PartialRollouts
 from omni_grpo.types import GRPOBatch, SamplingParams
@@ -175,8 +175,8 @@ if __name__ == "__main__":
         var_roofline_s = var_bytes / copy_rate + prefill_flops / matmul_rate
         by_engine: dict[str, dict[str, Any]] = {}
         for name, engine in engines.items():
-            # the same prompts every step: each rollout drops the towers' items (exact logprobs
-            # caches them) and is timed as new prompts cost it
+            # the same prompts every step: each rollout drops the towers' kept items (both paths
+            # keep them) and is timed as new prompts cost it
             clear_item_caches(thinker)
             with harness.timed(device) as gen:
                 groups = engine.generate(prompts, args.group, sampling)
@@ -234,7 +234,7 @@ if __name__ == "__main__":
         backend.exact_watch.enabled = False  # the last step's batch after its update: its
         # rollout logprobs are one policy version old, so they differ by design
         harness.profile_table(lambda: backend.step(batch), dst)
-        clear_item_caches(thinker)  # a no-op with the option off
+        clear_item_caches(thinker)  # the generation below encodes its media as a step does
         short = sampling.model_copy(update={"max_new_tokens": 64})
         with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):
             generate = partial(engine.generate, prompts, args.group, short)

@@ -216,13 +216,13 @@ def test_tree_sum_and_softmax_are_elementwise_per_row() -> None:
 
 
 def test_towers_concat_joins_every_structure() -> None:
-    from omni_grpo.exact.towers import _concat
+    from omni_grpo.models.item_cache import concat_outputs
 
     a, b = torch.ones(2, 3), torch.zeros(1, 3)
-    assert torch.equal(_concat([a, b]), torch.cat([a, b]))
-    joined = _concat([(a, [a, a]), (b, [b, b])])
+    assert torch.equal(concat_outputs([a, b]), torch.cat([a, b]))
+    joined = concat_outputs([(a, [a, a]), (b, [b, b])])
     assert isinstance(joined, tuple) and torch.equal(joined[1][1], torch.cat([a, b]))
-    assert _concat([None, None]) is None
+    assert concat_outputs([None, None]) is None
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +324,7 @@ def test_kernels_in_triton_interpreter() -> None:
 def test_item_cache_matches_exactly_and_evicts() -> None:
     """Tower outputs are reused only for inputs equal to the stored ones (never on probes
     alone), the least recently used go first, and nothing is cached while a tower trains."""
-    from omni_grpo.exact.towers import ItemCache
+    from omni_grpo.models.item_cache import ItemCache
 
     x = torch.zeros(1000)
     twin = x.clone()
@@ -384,7 +384,7 @@ def test_towers_encode_each_item_once_per_step(tmp_path_factory: pytest.TempPath
         assert torch.equal(again, first) and torch.equal(reference, first), kind
         firsts[kind] = first
     # a benchmark's next step with the same prompts: cleared caches encode again
-    from omni_grpo.exact.towers import clear_item_caches
+    from omni_grpo.models.item_cache import clear_item_caches
 
     kept = len(visual.omni_item_cache.entries) + len(audio.omni_item_cache.entries)
     assert kept >= 2 and clear_item_caches(model) == kept

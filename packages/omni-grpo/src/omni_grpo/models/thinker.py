@@ -31,6 +31,7 @@ from omni_audio_inject import AudioInjector, PlaceholderCountError, audio_output
 from omni_rope import OmniRopeConfig, positions_from_mm
 from torch import nn
 
+from omni_grpo.models.item_cache import reuse_tower_outputs
 from omni_grpo.models.kernel_switch import recompute_context
 from omni_grpo.models.positions import decode_positions
 from omni_grpo.models.sideband import OmniSideband
@@ -81,6 +82,7 @@ class OmniThinker(nn.Module):
         visual = getattr(vl.model, "visual", None)
         if visual is not None:  # a training row repeats its prompt's pixels: encode them once
             deduplicate_vision_items(visual)
+        reuse_tower_outputs(self)  # the trainer's forwards find what the rollout's encoded
 
     @property
     def vl(self) -> nn.Module:

@@ -26,6 +26,14 @@ import torch
 from omni_audio_inject.tower import first_equal
 from torch import nn
 
+from omni_grpo.models.item_cache import (
+    ItemCache,
+    call_tag,
+    cut_rows,
+    through_cache,
+    weights_context,
+)
+
 
 def first_copies(pixels: torch.Tensor, grid_thw: torch.Tensor) -> list[int]:
     """For each item, the index of the first item with the same grid and the same patches."""
@@ -61,6 +69,11 @@ def _deduplicated_forward(
     """The tower's own forward over the distinct items, its outputs indexed back to all."""
     forward = type(self).forward
     first_of = first_copies(hidden_states, grid_thw)
+    cache: ItemCache | None = self.__dict__.get("omni_item_cache")
+    if cache is not None and cache.enabled():
+        out = _through_item_cache(self, cache, hidden_states, grid_thw, first_of, kwargs)
+        if out is not None:
+            return out
     if len(set(first_of)) == len(first_of):
         return forward(self, hidden_states, grid_thw, **kwargs)
     distinct = sorted(set(first_of))
@@ -75,6 +88,39 @@ def _deduplicated_forward(
         sum(merged[j] for j in distinct): _copy_index(merged, first_of, device),
     }
     return _remap(out, by_rows)
+
+
+def _through_item_cache(
+    self: nn.Module,
+    cache: ItemCache,
+    hidden_states: torch.Tensor,
+    grid_thw: torch.Tensor,
+    first_of: list[int],
+    kwargs: dict[str, Any],
+) -> Any | None:
+    """The forward with the items kept from earlier calls found (``models.item_cache``): the
+    others are encoded in one call as before and their outputs cut per item and kept. None when
+    that output cannot be cut: nothing is kept, the cache goes off for this tower, and the caller
+    encodes again its own way (once)."""
+    forward = type(self).forward
+    sizes = grid_thw.prod(-1).tolist()
+    merge = int(getattr(self, "spatial_merge_size", 2)) ** 2
+    chunks = hidden_states.split(sizes)
+    items = [(chunks[i], grid_thw[i]) for i in range(len(sizes))]
+
+    def encode(indices: list[int]) -> list[Any] | None:
+        rows = hidden_states if indices == list(range(len(sizes))) else None
+        if rows is None:
+            rows = torch.cat([chunks[j] for j in indices])
+        out = forward(self, rows, grid_thw[indices], **kwargs)
+        patches = [sizes[j] for j in indices]
+        merged = [n // merge for n in patches]
+        return cut_rows(out, {sum(patches): patches, sum(merged): merged}, len(indices))
+
+    out = through_cache(cache, items, first_of, call_tag(kwargs, *weights_context(self)), encode)
+    if out is None:
+        cache.off = True
+    return out
 
 
 def deduplicate_vision_items(visual: nn.Module) -> None:
