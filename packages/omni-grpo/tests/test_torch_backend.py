@@ -101,6 +101,45 @@ def test_packed_micro_batches_span_prompts_and_give_the_same_update(world: dict)
         assert torch.allclose(g, grads[1][name], rtol=1e-4, atol=1e-6), name
 
 
+def test_positions_come_from_the_host_once_per_micro_batch_and_step(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend positions each micro-batch's rows from its CPU tensors once per step (not
+    from the GPU's ids at every forward): the same logits, bit for bit, as the model positioning
+    packed rows of image, video and audio prompts itself; one computation per micro-batch for
+    the KL reference's and the policy's forwards together."""
+    from omni_grpo.testing.rollouts import rollout_world
+
+    world = rollout_world(tmp_path_factory.mktemp("positions"), n_prompts=6, n=2, max_new_tokens=2)
+    groups = world["groups"]
+    adv = torch.randn(len(groups), 2, generator=torch.Generator().manual_seed(3))
+    backend = _backend(world, micro_batch_size=8, micro_batch_tokens=10_000, algo={"kl_coef": 0.1})
+    mbs = make_micro_batches(groups, adv, 8, world["eos"], token_budget=10_000)
+    kinds = {k for mb in mbs for k in mb.mm}
+    assert {"image_grid_thw", "video_grid_thw", "feature_attention_mask"} <= kinds
+    with torch.no_grad():
+        for mb in mbs:
+            own = backend._logits(lambda **kw: backend.model(**kw), mb)  # positions from the host
+            assert mb.position_ids is not None and mb.position_ids.device.type == "cpu"
+            mb.position_ids = None
+            model = backend.model
+
+            def unpositioned(**kw: object) -> object:
+                kw.pop("position_ids")
+                return model(**kw)
+
+            assert torch.equal(own, backend._logits(unpositioned, mb))
+    calls = []
+    compute = type(backend.model).compute_position_ids
+    monkeypatch.setattr(
+        type(backend.model),
+        "compute_position_ids",
+        lambda self, *a, **kw: calls.append(1) or compute(self, *a, **kw),
+    )
+    backend.step(GRPOBatch(groups, adv))
+    assert len(calls) == len(make_micro_batches(groups, adv, 8, world["eos"], token_budget=10_000))
+
+
 def test_micro_batching_gives_the_same_update(world: dict) -> None:
     groups = world["groups"]
     adv = torch.randn(len(groups), 4, generator=torch.Generator().manual_seed(1))
