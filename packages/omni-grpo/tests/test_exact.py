@@ -402,38 +402,12 @@ def test_the_trainers_forwards_find_the_rollouts_tower_items(
     """The real flow, not a direct call: the engine's prefill (``use_cache=True``) encodes a
     step's images, videos and audios; the backend's policy and KL-reference forwards over packed
     micro-batches (``use_cache=None``) find every one of them and encode nothing again."""
-    from omni_grpo.algo import group_advantages
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, LoraConfig, SamplingParams, TrainerConfig
     from omni_grpo.exact.towers import encode_towers_per_item
-    from omni_grpo.rollout.embedded import EmbeddedEngine
     from omni_grpo.testing.rollouts import rollout_world
-    from omni_grpo.trainer import media_token_ids
-    from omni_grpo.types import GRPOBatch
+    from omni_grpo.testing.towers import rollout_then_step
 
     world = rollout_world(tmp_path_factory.mktemp("flow"), n_prompts=6, n=2, max_new_tokens=2)
-    model = copy.deepcopy(world["base"])
-    cfg = TrainerConfig(
-        device="cpu",
-        lora=LoraConfig(rank=4, targets=["attention", "experts"]),
-        micro_batch_size=4,
-        gradient_checkpointing=True,
-    )
-    backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
-    encode_towers_per_item(model)
-    caches = {
-        "visual": model.model.visual.omni_item_cache,
-        "audio": model.audio.tower.omni_item_cache,
-    }
-    engine = EmbeddedEngine(model, [world["eos"]], banned_token_ids=media_token_ids(model))
-    torch.manual_seed(0)
-    groups = engine.generate(world["prompts"], 2, SamplingParams(max_new_tokens=2))
-    kinds = {key for g in groups for key in g[0].prompt.mm}
-    assert {"pixel_values", "pixel_values_videos", "input_features"} <= kinds
-    encoded = {name: (c.misses, len(c.entries)) for name, c in caches.items()}
+    caches, encoded, after = rollout_then_step(world, install=encode_towers_per_item)
     assert all(misses > 0 for misses, _ in encoded.values()), encoded
-    advantages = group_advantages(torch.rand(len(groups), 2), 2, std_normalize=True, eps=1e-6)
-    backend.step(GRPOBatch(groups, advantages, temperature=1.0))
-    after = {name: (c.misses, len(c.entries)) for name, c in caches.items()}
     assert after == encoded  # no item encoded a second time
     assert all(c.hits >= 2 * n for c, (_, n) in zip(caches.values(), encoded.values(), strict=True))

@@ -117,17 +117,17 @@ def test_positions_come_from_the_host_once_per_micro_batch_and_step(
     mbs = make_micro_batches(groups, adv, 8, world["eos"], token_budget=10_000)
     kinds = {k for mb in mbs for k in mb.mm}
     assert {"image_grid_thw", "video_grid_thw", "feature_attention_mask"} <= kinds
+    model = backend.model
+
+    def unpositioned(**kw: object) -> object:
+        kw.pop("position_ids")
+        return model(**kw)
+
     with torch.no_grad():
         for mb in mbs:
-            own = backend._logits(lambda **kw: backend.model(**kw), mb)  # positions from the host
+            own = backend._logits(model, mb)  # positions from the host
             assert mb.position_ids is not None and mb.position_ids.device.type == "cpu"
             mb.position_ids = None
-            model = backend.model
-
-            def unpositioned(**kw: object) -> object:
-                kw.pop("position_ids")
-                return model(**kw)
-
             assert torch.equal(own, backend._logits(unpositioned, mb))
     calls = []
     compute = type(backend.model).compute_position_ids

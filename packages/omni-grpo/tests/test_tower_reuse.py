@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 from omni_grpo.models.item_cache import (
-    ItemCache,
     clear_item_caches,
     concat_outputs,
     cut_rows,
 )
+from omni_grpo.testing.towers import patches_seen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     BaseModelOutputWithDeepstackFeatures,
 )
@@ -27,13 +27,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from omni_grpo.testing.rollouts import rollout_world
 
     return rollout_world(tmp_path_factory.mktemp("reuse"), n_prompts=6, n=2, max_new_tokens=2)
-
-
-def _caches(model: torch.nn.Module) -> dict[str, ItemCache]:
-    return {
-        "visual": model.model.visual.omni_item_cache,
-        "audio": model.audio.tower.omni_item_cache,
-    }
 
 
 def test_a_batched_output_is_cut_per_item_and_joins_back() -> None:
@@ -67,34 +60,10 @@ def test_the_trainers_forwards_find_the_rollouts_tower_items(world: dict[str, An
     """The real flow with the option off (CPU): the engine's prefill encodes a step's images,
     videos and audios in batched calls; the backend's policy and KL-reference forwards over its
     micro-batches find every item and encode nothing again."""
-    from omni_grpo.algo import group_advantages
-    from omni_grpo.backends.torch_backend import TorchBackend
-    from omni_grpo.config import AlgoConfig, LoraConfig, SamplingParams, TrainerConfig
-    from omni_grpo.rollout.embedded import EmbeddedEngine
-    from omni_grpo.trainer import media_token_ids
-    from omni_grpo.types import GRPOBatch
+    from omni_grpo.testing.towers import rollout_then_step
 
-    model = copy.deepcopy(world["base"])
-    cfg = TrainerConfig(
-        device="cpu",
-        lora=LoraConfig(rank=4, targets=["attention", "experts"]),
-        micro_batch_size=4,
-        gradient_checkpointing=True,
-    )
-    backend = TorchBackend(model, cfg, AlgoConfig(kl_coef=0.01), pad_token_id=world["eos"])
-    caches = _caches(model)
-    clear_item_caches(model)  # the audio tower (and its cache) is shared by the world's models
-    engine = EmbeddedEngine(model, [world["eos"]], banned_token_ids=media_token_ids(model))
-    torch.manual_seed(0)
-    groups = engine.generate(world["prompts"], 2, SamplingParams(max_new_tokens=2))
-    kinds = {key for g in groups for key in g[0].prompt.mm}
-    assert {"pixel_values", "pixel_values_videos", "input_features"} <= kinds
-    encoded = {name: (c.misses, len(c.entries)) for name, c in caches.items()}
+    caches, encoded, after = rollout_then_step(world)  # OmniThinker keeps items by itself
     assert all(misses > 0 for misses, _ in encoded.values()), encoded
-    advantages = group_advantages(torch.rand(len(groups), 2), 2, std_normalize=True, eps=1e-6)
-    metrics = backend.step(GRPOBatch(groups, advantages, temperature=1.0))
-    assert metrics["skipped_step"] == 0
-    after = {name: (c.misses, len(c.entries)) for name, c in caches.items()}
     assert after == encoded  # no item encoded a second time
     # policy and reference forwards: at least two finds of every item
     assert all(c.hits >= 2 * n for c, (_, n) in zip(caches.values(), encoded.values(), strict=True))
@@ -102,15 +71,6 @@ def test_the_trainers_forwards_find_the_rollouts_tower_items(world: dict[str, An
 
 def _first(world: dict[str, Any], key: str) -> dict[str, torch.Tensor]:
     return next(g[0].prompt.mm for g in world["groups"] if key in g[0].prompt.mm)
-
-
-def _patches_seen(visual: torch.nn.Module, run: Any) -> tuple[Any, list[int]]:
-    seen: list[int] = []
-    handle = visual.patch_embed.register_forward_pre_hook(lambda _m, a: seen.append(a[0].shape[0]))
-    try:
-        return run(), seen
-    finally:
-        handle.remove()
 
 
 def test_a_batch_encodes_only_the_items_it_has_not_seen(world: dict[str, Any]) -> None:
@@ -123,13 +83,13 @@ def test_a_batch_encodes_only_the_items_it_has_not_seen(world: dict[str, Any]) -
     a, grid = mm["pixel_values"], mm["image_grid_thw"]
     b, c = a.flip(0) * 0.5, a * 0.25  # two more items of the same grid
     with torch.no_grad():
-        _, seen = _patches_seen(visual, lambda: visual(a, grid_thw=grid))
+        _, seen = patches_seen(visual, lambda: visual(a, grid_thw=grid))
         assert seen == [a.shape[0]]
         pixels, grids = torch.cat([b, a, c, a]), grid.repeat(4, 1)
-        got, seen = _patches_seen(visual, lambda: visual(pixels, grid_thw=grids))
+        got, seen = patches_seen(visual, lambda: visual(pixels, grid_thw=grids))
         assert seen == [2 * a.shape[0]]  # b and c; a was kept, its copy is indexed
         want = type(visual).forward(visual, pixels, grid_thw=grids)
-        again, seen = _patches_seen(visual, lambda: visual(pixels, grid_thw=grids))
+        again, seen = patches_seen(visual, lambda: visual(pixels, grid_thw=grids))
     assert seen == []  # every item kept now
     assert set(got.keys()) == set(want.keys())
     for key in want:
@@ -166,7 +126,7 @@ def test_a_trainable_tower_is_never_served_from_the_cache(world: dict[str, Any])
     assert not visual.omni_item_cache.enabled()
     first = visual(a, grid_thw=grid).pooler_output
     assert first.requires_grad
-    _, seen = _patches_seen(visual, lambda: visual(a, grid_thw=grid))
+    _, seen = patches_seen(visual, lambda: visual(a, grid_thw=grid))
     assert seen == [a.shape[0]]
 
 
@@ -179,11 +139,11 @@ def test_weights_written_in_place_drop_the_kept_items(world: dict[str, Any]) -> 
     a, grid = mm["pixel_values"], mm["image_grid_thw"]
     with torch.no_grad():
         first = visual(a, grid_thw=grid).pooler_output
-        _, seen = _patches_seen(visual, lambda: visual(a, grid_thw=grid))
+        _, seen = patches_seen(visual, lambda: visual(a, grid_thw=grid))
         assert seen == [] and visual.omni_item_cache.entries
         weight = visual.patch_embed.proj.weight
         weight.copy_(weight * 2.0)
-        moved, seen = _patches_seen(visual, lambda: visual(a, grid_thw=grid))
+        moved, seen = patches_seen(visual, lambda: visual(a, grid_thw=grid))
     assert seen == [a.shape[0]]
     assert not torch.allclose(moved.pooler_output, first)
     assert len(visual.omni_item_cache.entries) == 1  # the new weights' output, kept

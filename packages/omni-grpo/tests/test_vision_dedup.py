@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from omni_grpo.models.vision_dedup import first_copies
+from omni_grpo.testing.towers import patches_seen
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +31,6 @@ def _items(world: dict, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([a, b, a, a]), torch.cat([grid, grid, grid, grid])
 
 
-def _patches_seen(visual: torch.nn.Module, run) -> tuple[object, list[int]]:
-    seen: list[int] = []
-    handle = visual.patch_embed.register_forward_pre_hook(lambda _m, a: seen.append(a[0].shape[0]))
-    try:
-        return run(), seen
-    finally:
-        handle.remove()
-
-
 def _tensors(out: object) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -55,8 +47,8 @@ def test_distinct_items_encoded_once_with_the_same_outputs(world: dict, kind: st
     pixels, grid = _items(world, kind)
     assert first_copies(pixels, grid) == [0, 1, 0, 0]
     with torch.no_grad():
-        got, seen = _patches_seen(visual, lambda: visual(pixels, grid_thw=grid))
-        want, seen_all = _patches_seen(
+        got, seen = patches_seen(visual, lambda: visual(pixels, grid_thw=grid))
+        want, seen_all = patches_seen(
             visual, lambda: type(visual).forward(visual, pixels, grid_thw=grid)
         )
     assert seen == [pixels.shape[0] // 2] and seen_all == [pixels.shape[0]]
