@@ -100,9 +100,20 @@ def test_a_batch_encodes_only_the_items_it_has_not_seen(world: dict[str, Any]) -
     assert torch.equal(again.pooler_output, got.pooler_output)
 
 
-def test_an_audio_is_found_whatever_its_batch_padded_it_to(world: dict[str, Any]) -> None:
+@pytest.mark.parametrize("exact", [False, True])
+def test_an_audio_is_found_whatever_its_batch_padded_it_to(
+    world: dict[str, Any], exact: bool
+) -> None:
+    """The rollout's batch and a trainer's micro-batch pad an audio to different lengths: it is
+    found either way, with the option off and in exact mode (one audio per call there)."""
+    from omni_grpo.exact.towers import encode_towers_per_item
+
     model = copy.deepcopy(world["base"])
-    tower, cache = model.audio.tower, model.audio.tower.omni_item_cache
+    tower = model.audio.tower  # shared by the world's models: put back as it was below
+    before = (tower.encode, tower.omni_item_cache)
+    if exact:
+        encode_towers_per_item(model)
+    cache = tower.omni_item_cache
     clear_item_caches(model)
     mm = _first(world, "input_features")
     feats, mask = mm["input_features"][:1], mm["feature_attention_mask"][:1]
@@ -115,6 +126,7 @@ def test_an_audio_is_found_whatever_its_batch_padded_it_to(world: dict[str, Any]
     assert cache.misses == misses and torch.equal(again, first)
     plain = type(tower).encode(tower, padded, longer, **args)
     torch.testing.assert_close(again, plain, rtol=0, atol=1e-5)
+    tower.encode, tower.omni_item_cache = before
 
 
 def test_a_trainable_tower_is_never_served_from_the_cache(world: dict[str, Any]) -> None:

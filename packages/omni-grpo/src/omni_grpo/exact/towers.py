@@ -86,12 +86,16 @@ def _encode_per_item(
         (input_features[i : i + 1], feature_attention_mask[i : i + 1])
         for i in range(input_features.shape[0])
     ]
-    lengths = feature_attention_mask.to(input_features.device).bool().sum(-1)
+    valid = feature_attention_mask.to(input_features.device).bool()
+    lengths = valid.sum(-1)
     firsts = same_items(input_features, lengths)
+    # keyed on the valid frames, all that the tower reads: the rollout's batch and a trainer's
+    # micro-batch pad an audio to different lengths, and a padded key missed across them
+    keys = [(input_features[i][:, valid[i]],) for i in range(input_features.shape[0])]
     pieces = {
         i: _cached(
             cache,
-            items[i],
+            keys[i],
             call_tag(kw),
             lambda i=i: encode(self, items[i][0], None if single_unmasked else items[i][1], **kw),
         )
