@@ -329,7 +329,7 @@ def test_item_cache_matches_exactly_and_evicts() -> None:
     x = torch.zeros(1000)
     twin = x.clone()
     twin[1] = 1.0  # the probes (every 15th value) agree, the items do not
-    cache = ItemCache([], capacity_bytes=3 * 4000 + 3 * 4)
+    cache = ItemCache(capacity_bytes=3 * 4000 + 3 * 4)
     cache.put((x,), torch.ones(1))
     assert cache.get((x.clone(),)) is not None and cache.get((twin,)) is None
     assert cache.get((x,), tag="other call") is None  # the call's arguments are part of the key
@@ -339,10 +339,13 @@ def test_item_cache_matches_exactly_and_evicts() -> None:
     cache.put((torch.full((1000,), 2.0),), torch.ones(1))
     cache.put((torch.full((1000,), 3.0),), torch.ones(1))  # over capacity: twin goes
     assert cache.get((twin,)) is None and cache.get((x,)) is not None
-    trainable = torch.nn.Parameter(torch.zeros(1))
-    assert ItemCache([trainable]).enabled() is False
-    trainable.requires_grad_(False)
-    assert ItemCache([trainable]).enabled() is True
+    tower = torch.nn.Linear(1, 1)
+    cache = ItemCache(tower)
+    assert cache.enabled() is False
+    tower.requires_grad_(False)
+    assert cache.enabled() is True
+    tower.adapter = torch.nn.Linear(1, 1)  # a trainable part added after the cache (LoRA)
+    assert cache.enabled() is False
 
 
 def test_towers_encode_each_item_once_per_step(tmp_path_factory: pytest.TempPathFactory) -> None:

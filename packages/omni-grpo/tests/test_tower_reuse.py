@@ -170,7 +170,20 @@ def test_a_model_with_kept_items_copies_and_pickles(world: dict[str, Any]) -> No
         model.model.visual(mm["pixel_values"], grid_thw=mm["image_grid_thw"])
     twin = copy.deepcopy(model)
     assert twin.model.visual.omni_item_cache is not model.model.visual.omni_item_cache
-    assert twin.model.visual.omni_item_cache.params[0] is next(twin.model.visual.parameters())
+    assert twin.model.visual.omni_item_cache.tower is twin.model.visual
     assert twin.audio.tower is model.audio.tower
     back = pickle.loads(pickle.dumps(model.audio.tower))
     assert back.encode.func is model.audio.tower.encode.func and back.encode.args == (back,)
+
+
+def test_lora_on_the_vision_tower_turns_its_cache_off(world: dict[str, Any]) -> None:
+    """The cache is made with the model, the adapters come later (the backend injects them):
+    they count, so a vision tower with trainable adapters is never served kept items."""
+    from omni_grpo.backends.torch_backend import TorchBackend
+    from omni_grpo.config import AlgoConfig, LoraConfig, TrainerConfig
+
+    model = copy.deepcopy(world["base"])
+    assert model.model.visual.omni_item_cache.enabled()
+    cfg = TrainerConfig(device="cpu", lora=LoraConfig(rank=4, targets=["attention", "visual"]))
+    TorchBackend(model, cfg, AlgoConfig(), pad_token_id=world["eos"])
+    assert not model.model.visual.omni_item_cache.enabled()

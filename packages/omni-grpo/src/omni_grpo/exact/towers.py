@@ -108,9 +108,9 @@ def encode_towers_per_item(thinker: nn.Module) -> None:
     """Make the vision tower and the audio tower of ``thinker`` encode one item per call."""
     visual = getattr(thinker.model, "visual", None)
     if visual is not None:
-        visual.omni_item_cache = ItemCache(list(visual.parameters()))
+        visual.omni_item_cache = ItemCache(visual)
         visual.forward = MethodType(_visual_per_item, visual)
     tower = getattr(getattr(thinker, "audio", None), "tower", None)
     if tower is not None:
-        tower.omni_item_cache = ItemCache([])  # FrozenAudioTower: frozen by construction
+        tower.omni_item_cache = ItemCache()  # FrozenAudioTower: frozen by construction
         tower.encode = partial(_encode_per_item, tower)  # a partial pickles, a method not

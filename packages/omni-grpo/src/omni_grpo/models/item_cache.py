@@ -78,8 +78,8 @@ class ItemCache:
     weight sync's ``copy_`` into a rollout actor's frozen tower, ``load_state_dict``, an optimizer
     step, ``module.to``) changes its version counter or storage, and the next look-up drops them."""
 
-    def __init__(self, params: list[nn.Parameter], capacity_bytes: int = CACHE_BYTES) -> None:
-        self.params = params
+    def __init__(self, tower: nn.Module | None = None, capacity_bytes: int = CACHE_BYTES) -> None:
+        self.tower = tower  # None: a tower frozen by construction (the audio tower)
         self.capacity = capacity_bytes
         # entry id -> (key, inputs, output, bytes), least recently used first; key -> entry ids
         self.entries: OrderedDict[int, tuple[tuple, tuple[torch.Tensor, ...], Any, int]] = (
@@ -91,6 +91,12 @@ class ItemCache:
         self.off = False  # set when its tower's output cannot be cut per item
         self._next_id = 0
         self._weights = self._stamp()
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The tower's parameters as they are now: adapters injected after the cache was made
+        (LoRA on the vision tower) count, and make it trainable."""
+        return [] if self.tower is None else list(self.tower.parameters())
 
     def _stamp(self) -> tuple[tuple[int, int], ...]:
         return tuple((p._version, p.data_ptr()) for p in self.params)
@@ -283,10 +289,10 @@ def reuse_tower_outputs(thinker: nn.Module) -> None:
     (``exact.towers.encode_towers_per_item``)."""
     visual = getattr(getattr(thinker, "model", None), "visual", None)
     if visual is not None:
-        visual.omni_item_cache = ItemCache(list(visual.parameters()))
+        visual.omni_item_cache = ItemCache(visual)
     tower = getattr(getattr(thinker, "audio", None), "tower", None)
     if tower is not None:
-        tower.omni_item_cache = ItemCache([])  # FrozenAudioTower: frozen by construction
+        tower.omni_item_cache = ItemCache()  # FrozenAudioTower: frozen by construction
         tower.encode = partial(_encode_reusing, tower)  # a partial pickles (Ray), a method not
 
 
