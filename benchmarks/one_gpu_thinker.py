@@ -41,7 +41,7 @@ import torch
 from omni_grpo.config import LoraConfig
 from omni_grpo.data.prompt import PromptBuilder
 from omni_grpo.exact import enable_exact_logprobs
-from omni_grpo.models.item_cache import clear_item_caches
+from omni_grpo.models.item_cache import clear_item_caches, item_cache_counts
 from omni_grpo.models.lora import peft_config
 from omni_grpo.rollout.partial import PartialRollouts
 from omni_grpo.types import GRPOBatch, SamplingParams
@@ -200,9 +200,11 @@ if __name__ == "__main__":
         adv = rig.advantages(groups, args.group)
         metrics: dict[str, Any] = {}
         upd = harness.Timing(s=0.0)
+        towers = item_cache_counts(thinker)  # after the rollout: what the update finds or encodes
         if not args.generation_only:
             with harness.timed(device) as upd:
                 metrics = backend.step(GRPOBatch(groups, adv, temperature=sampling.temperature))
+        towers = {k: v - towers[k] for k, v in item_cache_counts(thinker).items()}
         if cuda:
             peak = max(peak, harness.peak_bytes(device) / harness.GIB)
         new_tokens = sum(lengths)
@@ -226,6 +228,7 @@ if __name__ == "__main__":
         for k in ("pearson", "abs_diff", "exact_fraction"):
             step[f"logprob_{k}"] = metrics.get(f"train_rollout_logprob_{k}")
         step |= {k: metrics.get(k) for k in ("kl_loss", "grad_norm")}  # the reference's effect
+        step["update_tower_items"] = {"found": towers["hits"], "encoded": towers["misses"]}
         steps.append(step | {"skipped_step": metrics.get("skipped_step")})
         harness.progress({"step": steps[-1]})
     if args.profile:  # one more update, then 64 new tokens of eager generation (a CUDA graph's

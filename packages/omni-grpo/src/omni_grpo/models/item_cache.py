@@ -18,6 +18,7 @@ item, within the rounding its batch's kernels give). :func:`reuse_tower_outputs`
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -296,6 +297,24 @@ def reuse_tower_outputs(thinker: nn.Module) -> None:
         tower.encode = partial(_encode_reusing, tower)  # a partial pickles (Ray), a method not
 
 
+def _caches(thinker: nn.Module) -> Iterator[ItemCache]:
+    """Each item cache of ``thinker``'s towers once (the audio tower is no submodule)."""
+    seen: set[int] = set()
+    for module in thinker.modules():
+        for tower in (module, getattr(getattr(module, "audio", None), "tower", None)):
+            cache = getattr(tower, "__dict__", {}).get("omni_item_cache")
+            if cache is not None and id(cache) not in seen:
+                seen.add(id(cache))
+                yield cache
+
+
+def item_cache_counts(thinker: nn.Module) -> dict[str, int]:
+    """Items found (``hits``) and encoded (``misses``) by ``thinker``'s towers so far: a
+    benchmark reads what its rollout encoded and that its update encoded nothing again."""
+    caches = list(_caches(thinker))
+    return {"hits": sum(c.hits for c in caches), "misses": sum(c.misses for c in caches)}
+
+
 def clear_item_caches(thinker: nn.Module) -> int:
     """Empty the towers' item caches; returns how many entries were dropped.
 
@@ -305,10 +324,7 @@ def clear_item_caches(thinker: nn.Module) -> int:
     costs (the rollout encodes its media, the trainer's forwards reuse them).
     """
     dropped = 0
-    for module in thinker.modules():  # the audio tower is no submodule: ``<module>.audio.tower``
-        for tower in (module, getattr(getattr(module, "audio", None), "tower", None)):
-            cache = getattr(tower, "__dict__", {}).get("omni_item_cache")
-            if cache is not None and cache.entries:
-                dropped += len(cache.entries)
-                cache.clear()
+    for cache in _caches(thinker):
+        dropped += len(cache.entries)
+        cache.clear()
     return dropped
