@@ -15,6 +15,10 @@ are mapped whatever structure transformers returns (a tuple in older releases, a
 ``BaseModelOutputWithDeepstackFeatures`` now): a tensor over the patches (``t*h*w`` rows per
 item) or over the merged tokens (``/ spatial_merge_size**2``) is re-indexed, anything else is
 left alone.
+
+With the tower frozen, its outputs are also kept per item (``models.item_cache``, made by
+``OmniThinker``): the trainer's forwards find the items the rollout's prefill encoded, and a call
+encodes only the distinct items not kept, in one batch, its output cut per item.
 """
 
 from __future__ import annotations
@@ -109,9 +113,8 @@ def _through_item_cache(
     items = [(chunks[i], grid_thw[i]) for i in range(len(sizes))]
 
     def encode(indices: list[int]) -> list[Any] | None:
-        rows = hidden_states if indices == list(range(len(sizes))) else None
-        if rows is None:
-            rows = torch.cat([chunks[j] for j in indices])
+        every = len(indices) == len(sizes)  # distinct, sorted: all of them
+        rows = hidden_states if every else torch.cat([chunks[j] for j in indices])
         out = forward(self, rows, grid_thw[indices], **kwargs)
         patches = [sizes[j] for j in indices]
         merged = [n // merge for n in patches]
