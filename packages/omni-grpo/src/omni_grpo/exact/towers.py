@@ -29,11 +29,17 @@ from torch import nn
 from omni_grpo.models.item_cache import ItemCache, call_tag, concat_outputs, weights_context
 
 
+def _ready(cache: ItemCache | None) -> ItemCache | None:
+    """``cache`` if it serves this tower call (:meth:`ItemCache.ready`), else None."""
+    return cache if cache is not None and cache.ready() else None
+
+
 def _cached(
     cache: ItemCache | None, inputs: tuple[torch.Tensor, ...], tag: str, encode: Any
 ) -> Any:
-    """``encode()`` for one item, through ``cache`` when it is on."""
-    if cache is None or not cache.enabled():
+    """``encode()`` for one item, through ``cache`` (None: off; else it answered
+    :meth:`ItemCache.ready` for this tower call)."""
+    if cache is None:
         return encode()
     out = cache.get(inputs, tag)
     if out is None:
@@ -47,7 +53,8 @@ def _visual_per_item(
     self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kw: Any
 ) -> Any:
     forward = type(self).forward
-    cache: ItemCache | None = getattr(self, "omni_item_cache", None)
+    cache = _ready(getattr(self, "omni_item_cache", None))
+    tag = call_tag(kw, *weights_context(self))
     parts = hidden_states.split(grid_thw.prod(-1).tolist())
     items = [(parts[i], grid_thw[i]) for i in range(len(parts))]
     from omni_grpo.models.vision_dedup import first_copies
@@ -57,7 +64,7 @@ def _visual_per_item(
         i: _cached(
             cache,
             items[i],
-            call_tag(kw, *weights_context(self)),
+            tag,
             lambda i=i: forward(self, parts[i], grid_thw[i : i + 1], **kw),
         )
         for i in sorted(set(firsts))
@@ -76,7 +83,8 @@ def _encode_per_item(
     encode = type(self).encode
     if input_features.ndim != 3:
         return encode(self, input_features, feature_attention_mask, **kw)
-    cache: ItemCache | None = getattr(self, "omni_item_cache", None)
+    cache = _ready(getattr(self, "omni_item_cache", None))
+    tag = call_tag(kw)
     single_unmasked = feature_attention_mask is None and input_features.shape[0] == 1
     if feature_attention_mask is None:
         feature_attention_mask = torch.ones(
@@ -96,7 +104,7 @@ def _encode_per_item(
         i: _cached(
             cache,
             keys[i],
-            call_tag(kw),
+            tag,
             lambda i=i: encode(self, items[i][0], None if single_unmasked else items[i][1], **kw),
         )
         for i in sorted(set(firsts))

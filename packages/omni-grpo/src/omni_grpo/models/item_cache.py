@@ -91,7 +91,7 @@ class ItemCache:
         self.hits = self.misses = 0
         self.off = False  # set when its tower's output cannot be cut per item
         self._next_id = 0
-        self._weights = self._stamp()
+        self._weights = self._stamp(self.params)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -99,18 +99,26 @@ class ItemCache:
         (LoRA on the vision tower) count, and make it trainable."""
         return [] if self.tower is None else list(self.tower.parameters())
 
-    def _stamp(self) -> tuple[tuple[int, int], ...]:
-        return tuple((p._version, p.data_ptr()) for p in self.params)
-
-    def _drop_if_weights_changed(self) -> None:
-        stamp = self._stamp()
-        if stamp != self._weights:
-            self.clear()
-            self._weights = stamp
+    @staticmethod
+    def _stamp(params: list[nn.Parameter]) -> tuple[tuple[int, int], ...]:
+        return tuple((p._version, p.data_ptr()) for p in params)
 
     def enabled(self) -> bool:
         """Off while the tower trains (its output for an item changes with every step)."""
         return not self.off and not any(p.requires_grad for p in self.params)
+
+    def ready(self) -> bool:
+        """:meth:`enabled`, and the kept items dropped if the weights were written since: once
+        per tower call, before its items' :meth:`get` and :meth:`put` (one walk of the tower's
+        parameters, ~350 in the vision tower, per call rather than per item)."""
+        params = self.params
+        if self.off or any(p.requires_grad for p in params):
+            return False
+        stamp = self._stamp(params)
+        if stamp != self._weights:
+            self.clear()
+            self._weights = stamp
+        return True
 
     @staticmethod
     def _key(inputs: tuple[torch.Tensor, ...], tag: str) -> tuple:
@@ -124,8 +132,8 @@ class ItemCache:
         return tag, meta, tuple(sample)
 
     def get(self, inputs: tuple[torch.Tensor, ...], tag: str = "") -> Any | None:
-        """``tag``: what else the output depends on (the call's other arguments)."""
-        self._drop_if_weights_changed()
+        """``tag``: what else the output depends on (the call's other arguments). Callers ask
+        :meth:`ready` first, once per tower call."""
         for entry_id in self.buckets.get(self._key(inputs, tag), []):
             _, stored, out, _ = self.entries[entry_id]
             if all(torch.equal(a, b) for a, b in zip(stored, inputs, strict=True)):
@@ -136,7 +144,6 @@ class ItemCache:
         return None
 
     def put(self, inputs: tuple[torch.Tensor, ...], out: Any, tag: str = "") -> None:
-        self._drop_if_weights_changed()
         kept = tuple(x.detach().clone() for x in inputs)  # a view would pin the whole batch
         size = nbytes(kept) + nbytes(out)
         if size > self.capacity:
@@ -221,7 +228,8 @@ def through_cache(
     encode: Any,
 ) -> Any | None:
     """The joined output for ``items`` (one per row of the call; ``first_of[i]``: the first item
-    equal to item ``i``): kept items found, the others encoded in one batched call.
+    equal to item ``i``): kept items found, the others encoded in one batched call. ``cache``
+    answered :meth:`ItemCache.ready` for this call.
 
     ``encode(indices)`` encodes the distinct items ``indices`` in one call and returns their
     outputs cut per item (or None when its output cannot be cut: nothing is kept, and this
@@ -261,7 +269,7 @@ def _encode_reusing(
         mask = torch.ones(input_features.shape[0], input_features.shape[2], dtype=torch.long)
     if (
         cache is None
-        or not cache.enabled()
+        or not cache.ready()
         or input_features.ndim != 3
         or mask.shape != (input_features.shape[0], input_features.shape[2])
     ):

@@ -74,7 +74,7 @@ def _deduplicated_forward(
     forward = type(self).forward
     first_of = first_copies(hidden_states, grid_thw)
     cache: ItemCache | None = self.__dict__.get("omni_item_cache")
-    if cache is not None and cache.enabled():
+    if cache is not None and cache.ready():
         out = _through_item_cache(self, cache, hidden_states, grid_thw, first_of, kwargs)
         if out is not None:
             return out
