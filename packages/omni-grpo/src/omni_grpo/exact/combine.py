@@ -121,6 +121,11 @@ def _launch(
     return out
 
 
+def _unsorted(rows: torch.Tensor, inv: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, k, H]``: each (token, slot)'s expert output, gathered from expert order."""
+    return rows.index_select(0, inv).view(-1, top_k, rows.shape[-1])
+
+
 class _UnsortTopkSum(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -134,7 +139,7 @@ class _UnsortTopkSum(torch.autograd.Function):
         ctx.save_for_backward(rows, inv, perm, weights)
         tokens, top_k = weights.shape
         if torch_kernels_on():  # a recompute: the off path's gather and bmm
-            pairs = rows.index_select(0, inv).view(tokens, top_k, rows.shape[-1])
+            pairs = _unsorted(rows, inv, top_k)
             w = weights.to(pairs.dtype).reshape(tokens, 1, top_k)
             return torch.bmm(w, pairs).view(tokens, -1).to(dtype)
         return topk_sum_rows_kernel(rows, inv, weights, dtype)
@@ -149,7 +154,7 @@ class _UnsortTopkSum(torch.autograd.Function):
             grad_pairs = g[:, None, :] * weights.to(rows.dtype)[:, :, None]
             grad_rows = grad_pairs.view(tokens * top_k, -1).index_select(0, perm)
         if ctx.needs_input_grad[3]:
-            pairs = rows.index_select(0, inv).view(tokens, top_k, -1)
+            pairs = _unsorted(rows, inv, top_k)
             grad_w = torch.bmm(pairs, g[:, :, None])[:, :, 0].to(weights.dtype)
         return grad_rows, None, None, grad_w, None
 

@@ -281,7 +281,9 @@ def _encode_reusing(
     items = [(input_features[i][:, valid[i]],) for i in range(input_features.shape[0])]
 
     def batch(indices: list[int]) -> list[torch.Tensor]:
-        out = encode(self, input_features[indices], mask[indices], **kw)
+        every = len(indices) == len(items)  # distinct, sorted: all of them
+        feats, masks = (input_features, mask) if every else (input_features[indices], mask[indices])
+        out = encode(self, feats, masks, **kw)
         tokens = self.output_lengths(lengths[indices].cpu()).tolist()
         return cut_rows(out, {out.shape[0]: tokens}, len(indices))
 
