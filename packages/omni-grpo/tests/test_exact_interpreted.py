@@ -216,6 +216,25 @@ def test_rmsnorm_and_its_gradient_match_the_transformers_formula() -> None:
 
 
 @interpreted
+@pytest.mark.parametrize(("batch", "heads", "length", "cos_batch"), [(2, 5, 7, 2), (3, 2, 1, 1)])
+def test_rotary_kernel_is_transformers_composition(
+    batch: int, heads: int, length: int, cos_batch: int
+) -> None:
+    """``models.rotary_kernel.rotate`` on the attention's transposed view (and a decode step's
+    one position, cos broadcast over the batch) against transformers' ``q * cos +
+    rotate_half(q) * sin``: in fp32 the same products and sum, bit for bit. (The bf16 roundings
+    are the GPU test's: this interpreter converts fp32 to bf16 by truncation.)"""
+    from omni_grpo.models.rotary_kernel import rotate
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import rotate_half
+
+    x = (torch.randn(batch, length, heads, 32) * 3).transpose(1, 2)
+    cos, sin = torch.randn(cos_batch, length, 32), torch.randn(cos_batch, length, 32)
+    out = rotate(x, cos, sin)
+    assert out.stride() == x.stride()  # the view's memory layout kept
+    assert torch.equal(out, x * cos[:, None] + rotate_half(x) * sin[:, None])
+
+
+@interpreted
 def test_token_logprobs_match_log_softmax_over_chunks() -> None:
     from omni_grpo.exact.rowwise import LOGPROB_BLOCK, token_logprobs
 

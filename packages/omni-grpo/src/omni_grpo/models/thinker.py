@@ -34,6 +34,7 @@ from torch import nn
 from omni_grpo.models.item_cache import reuse_tower_outputs
 from omni_grpo.models.kernel_switch import recompute_context
 from omni_grpo.models.positions import decode_positions
+from omni_grpo.models.rotary_kernel import install_fused_rotary
 from omni_grpo.models.sideband import OmniSideband
 from omni_grpo.models.vision_dedup import deduplicate_vision_items
 
@@ -83,6 +84,7 @@ class OmniThinker(nn.Module):
         if visual is not None:  # a training row repeats its prompt's pixels: encode them once
             deduplicate_vision_items(visual)
         reuse_tower_outputs(self)  # the trainer's forwards find what the rollout's encoded
+        install_fused_rotary(vl.model.language_model.layers)  # one kernel, torch's bits
 
     @property
     def vl(self) -> nn.Module:
