@@ -23,7 +23,7 @@ def test_the_thinker_routes_its_text_attention_through_it_once(tmp_path) -> None
     assert not rk.install_fused_rotary(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
 
 
-def test_it_stands_aside_off_cuda_under_autograd_and_when_switched_off(monkeypatch) -> None:
+def test_it_stands_aside_off_cuda_under_autograd_and_unless_switched_on(monkeypatch) -> None:
     """Every call it does not take goes to transformers' function with the same arguments."""
     from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as vl
 
@@ -33,6 +33,7 @@ def test_it_stands_aside_off_cuda_under_autograd_and_when_switched_off(monkeypat
         calls.append(unsqueeze_dim)
         return q, k
 
+    monkeypatch.setenv(rk.SWITCH, "1")
     monkeypatch.setattr(rk, "rotate", lambda *a: pytest.fail("took the kernel"))
     wrapped = rk.fused_rotary(original)
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
@@ -42,6 +43,6 @@ def test_it_stands_aside_off_cuda_under_autograd_and_when_switched_off(monkeypat
     assert wrapped(q, k, cos, sin, unsqueeze_dim=2) == (q, k) and calls == [1, 2]
     with torch.enable_grad():
         assert not rk.fused_applies(q.requires_grad_(), k, cos, sin)
-    monkeypatch.setenv("OMNI_GRPO_FUSED_ROTARY", "0")
+    monkeypatch.delenv(rk.SWITCH)  # opt-in: off by default
     assert not rk.fused_applies(q.detach(), k, cos, sin)
     assert vl.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"  # functools.wraps

@@ -1,5 +1,6 @@
 """The fused rotary embedding on CUDA in bf16 is transformers' composition bit for bit, at a
-training micro-batch's shapes and a decode step's, and the thinker's forwards take it."""
+training micro-batch's shapes and a decode step's, and the thinker's forwards take it when
+switched on (``OMNI_GRPO_FUSED_ROTARY=1``: opt-in until these tests have run on a GPU)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     [(4, 557, 4, 1.0), (64, 1, 64, 1.0), (3, 33, 1, 1.0), (2, 129, 2, 300.0), (2, 17, 2, 1e-3)],
 )
 def test_the_kernel_is_transformers_rotary_bit_for_bit(
-    batch: int, length: int, cos_batch: int, scale: float
+    batch: int, length: int, cos_batch: int, scale: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omni_grpo.models.rotary_kernel import fused_applies, rotate
+    from omni_grpo.models.rotary_kernel import SWITCH, fused_applies, rotate
+
+    monkeypatch.setenv(SWITCH, "1")
 
     gen = torch.Generator(device="cuda").manual_seed(length)
     dev, bf16 = "cuda", torch.bfloat16
@@ -72,11 +75,12 @@ def test_the_thinkers_no_grad_forwards_take_it_and_keep_their_logits(tmp_path, m
         return real(x, cos, sin)
 
     monkeypatch.setattr(rk, "rotate", counting)
+    monkeypatch.setenv(rk.SWITCH, "1")
     with torch.no_grad():
         fused = model(input_ids=ids, **mm).logits
         layers = len(model.model.language_model.layers)
         assert len(calls) == 2 * layers
-        monkeypatch.setenv("OMNI_GRPO_FUSED_ROTARY", "0")
+        monkeypatch.setenv(rk.SWITCH, "0")
         plain = model(input_ids=ids, **mm).logits
     assert len(calls) == 2 * layers
     assert torch.equal(_bits(fused), _bits(plain))

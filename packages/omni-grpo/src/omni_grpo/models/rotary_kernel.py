@@ -16,8 +16,12 @@ trainer alike, the option-off path's generation and reference — only the kerne
 
 Where: forwards that record no autograd graph (generation, the KL reference, exact mode's first
 forward) on CUDA in bf16, outside ``torch.compile`` (whose inductor fuses the composition itself);
-anything else calls transformers' function. ``OMNI_GRPO_FUSED_ROTARY=0`` keeps transformers'
-function everywhere (a comparison switch).
+anything else calls transformers' function.
+
+Opt-in for now (``OMNI_GRPO_FUSED_ROTARY=1``): the kernel's bits and speed on a GPU are checked
+by ``tests/test_rotary_kernel_gpu.py`` and ``benchmarks/rotary.py``, which have not yet run on
+one (no device could be started in the session that wrote it: CPU and Triton-interpreter tests
+only). Until then every forward keeps transformers' function.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 
 FUNCTION = "apply_rotary_pos_emb"  # transformers' name, in the text attention's module
 _FUSED = "_omni_fused_rotary"  # marks the wrapper (installed once per module)
+SWITCH = "OMNI_GRPO_FUSED_ROTARY"  # "1": take the kernel (opt-in: see the module docstring)
 
 
 @triton.jit
@@ -125,7 +130,7 @@ def _dense_last(*tensors: torch.Tensor) -> bool:
 def fused_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether :func:`rotate` computes this call (see the module docstring): CUDA bf16 tensors of
     the text attention's shapes, no autograd graph, not inside ``torch.compile``."""
-    if os.environ.get("OMNI_GRPO_FUSED_ROTARY", "1") == "0" or torch.compiler.is_compiling():
+    if os.environ.get(SWITCH, "0") != "1" or torch.compiler.is_compiling():
         return False
     tensors = (q, k, cos, sin)
     if not all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors):
