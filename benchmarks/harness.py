@@ -167,11 +167,13 @@ def device_limits(device: Any, matmul: int = 8192, copy_gib: float = 4.0) -> dic
     return out | {"matmul_dtype": str(dtype).removeprefix("torch."), "matmul_n": n}
 
 
-def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
+def profile_table(fn: Callable[[], Any], dst: Path, labels: list[str] | None = None) -> Any:
     """``fn()`` under torch.profiler: its ops by CUDA, then self CPU time (no GPU: CPU), to dst.
     On a GPU the file ends with the timeline (:func:`gpu_timeline`): how long the GPU sat idle
     and which host ops ran through the longest idle gaps — the kernel table alone cannot show a
-    step that waits on its host (a profile of the exact update found 12 % of it idle that way)."""
+    step that waits on its host (a profile of the exact update found 12 % of it idle that way);
+    with ``labels`` (filled by :func:`phase_marks` during ``fn``), then the kernels by phase
+    (:func:`phase_split`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -191,6 +193,9 @@ def profile_table(fn: Callable[[], Any], dst: Path) -> Any:
         kernels = [(a, b) for kind, _, a, b in events if kind == "CUDA"]
         host = [(n, a, b) for kind, n, a, b in events if kind == "CPU"]
         text += "\n\n" + json.dumps(gpu_timeline(kernels, host), indent=1)
+        if labels is not None:
+            named = [(n, a, b) for kind, n, a, b in events if kind == "CUDA"]
+            text += "\n\n" + json.dumps(phase_split(named, labels), indent=1)
     dst.write_text(text)
     return out
 
@@ -232,6 +237,62 @@ def gpu_timeline(
         "gaps_over_1ms_s": round(sum(g[0] for g in long) / 1e6, 4),
         "longest_gaps": spanning,
     }
+
+
+MARKER_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel: a phase marker on the GPU timeline
+
+
+@contextlib.contextmanager
+def phase_marks(labels: list[str], *sites: tuple[Any, str, str, Any]) -> Iterator[None]:
+    """While inside, each site ``(owner, attribute, label, when)``'s function first appends
+    ``label`` to ``labels`` and launches a marker kernel (``torch.cuda._sleep(1)``, a few cycles),
+    when ``when()`` is true (``None``: always). The GPU runs one stream in order, so the i-th
+    marker on the timeline starts phase ``labels[i]``: :func:`phase_split` cuts the kernels there.
+    Why: an op table sums the whole update; which phase (reference, forward, backward) owns a
+    kernel family is what a change is aimed at."""
+    torch = sys.modules["torch"]  # the caller's
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _ in sites]
+
+    def marked(fn: Callable[..., Any], label: str, when: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if when is None or when():
+                labels.append(label)
+                torch.cuda._sleep(1)
+            return fn(*args, **kwargs)
+
+        return call
+
+    try:
+        for (owner, attr, label, when), (_, _, fn) in zip(sites, saved, strict=True):
+            setattr(owner, attr, marked(fn, label, when))
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+def phase_split(
+    kernels: list[tuple[str, float, float]], labels: list[str], top: int = 12
+) -> dict[str, Any]:
+    """Kernels ``(name, start, end)`` (microseconds) cut into phases at the marker kernels
+    (:func:`phase_marks`; the i-th marker starts ``labels[i]``, kernels before the first are
+    ``"before"``); per phase label, summed over its occurrences: GPU ms of its kernels, their
+    count, and the ``top`` kernel names by time."""
+    phase, seen, out = "before", 0, {}
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if MARKER_KERNEL in name:
+            phase = labels[seen] if seen < len(labels) else f"marker {seen}"
+            seen += 1
+            continue
+        rec = out.setdefault(phase, {"gpu_ms": 0.0, "kernels": 0, "by_name": {}})
+        rec["gpu_ms"] += (end - start) / 1e3
+        rec["kernels"] += 1
+        rec["by_name"][name] = rec["by_name"].get(name, 0.0) + (end - start) / 1e3
+    for rec in out.values():
+        names = sorted(rec.pop("by_name").items(), key=lambda kv: -kv[1])[:top]
+        rec["gpu_ms"] = round(rec["gpu_ms"], 2)
+        rec["top_ms"] = [[n[:90], round(ms, 2)] for n, ms in names]
+    return {"markers": seen, "phases": out}
 
 
 # ----------------------------------------------------------------------- memory and processes

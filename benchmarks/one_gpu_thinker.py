@@ -52,6 +52,21 @@ CONFIG_KEYS += ("static_batch_rows", "long_prompts", "audio_seconds", "video_fra
 CONFIG_KEYS += ("generation_only", "extra_groups")  # the options the result's config repeats
 
 
+def update_phase_marks(backend_type: type, labels: list[str] | None) -> Any:
+    """Marker kernels at the starts of the update's phases (``harness.phase_marks``): each KL
+    reference forward, each policy forward (the one that records a graph), each backward (the
+    recompute and the gradients) and the clip + optimizer step. ``None``: no markers (CPU)."""
+    if labels is None:
+        return contextlib.nullcontext()
+    return harness.phase_marks(
+        labels,
+        (backend_type, "_reference_logp", "reference", None),
+        (backend_type, "_logits", "policy forward", torch.is_grad_enabled),
+        (torch.Tensor, "backward", "backward (recompute + gradients)", None),
+        (torch.nn.utils, "clip_grad_norm_", "clip + optimizer", None),
+    )
+
+
 def draw_lengths(spec: str, rows: int, limit: int, seed: Any) -> list[int]:
     """Each row's completion length: ``uniform`` (every row ``limit``: the worst case) or
     ``lognormal:MEDIAN:SIGMA`` (ceil of a lognormal draw, clipped to [1, limit]); ``seed``: a
@@ -236,7 +251,9 @@ if __name__ == "__main__":
         dst, batch = Path(args.profile), GRPOBatch(groups, adv, temperature=sampling.temperature)
         backend.exact_watch.enabled = False  # the last step's batch after its update: its
         # rollout logprobs are one policy version old, so they differ by design
-        harness.profile_table(lambda: backend.step(batch), dst)
+        labels: list[str] | None = [] if cuda else None  # the update's phases (GPU markers)
+        with update_phase_marks(type(backend), labels):
+            harness.profile_table(lambda: backend.step(batch), dst, labels)
         clear_item_caches(thinker)  # the generation below encodes its media as a step does
         short = sampling.model_copy(update={"max_new_tokens": 64})
         with mock.patch.dict(os.environ, {"OMNI_GRPO_CUDA_GRAPH": "0"}):

@@ -27,3 +27,46 @@ def test_idle_gaps_and_the_host_ops_that_spanned_them() -> None:
     assert longest == {"gap_ms": 3.0, "host_ops": ["aten::copy_", "cudaStreamSynchronize"]}
     assert second == {"gap_ms": 0.5, "host_ops": []}
     assert harness.gpu_timeline([], host) == {"kernels": 0}
+
+
+def test_kernels_are_cut_into_phases_at_the_marker_kernels() -> None:
+    m = harness.MARKER_KERNEL
+    kernels = [
+        ("warm", 0.0, 1000.0),
+        (f"void at::native::{m}(long)", 1000.0, 1001.0),
+        ("gemm", 1001.0, 3001.0),
+        ("gather", 3001.0, 3501.0),
+        (m, 4000.0, 4001.0),
+        ("gemm", 4001.0, 5001.0),
+        (m, 6000.0, 6001.0),  # the reference again: its kernels add to the first occurrence's
+        ("gemm", 6001.0, 7001.0),
+    ]
+    out = harness.phase_split(kernels, ["reference", "backward", "reference"])
+    assert out["markers"] == 3
+    assert out["phases"]["before"] == {"gpu_ms": 1.0, "kernels": 1, "top_ms": [["warm", 1.0]]}
+    assert (
+        out["phases"]["reference"]["gpu_ms"] == 3.5 and out["phases"]["reference"]["kernels"] == 3
+    )
+    assert out["phases"]["reference"]["top_ms"] == [["gemm", 3.0], ["gather", 0.5]]
+    assert out["phases"]["backward"] == {"gpu_ms": 1.0, "kernels": 1, "top_ms": [["gemm", 1.0]]}
+
+
+def test_phase_marks_label_the_calls_and_restore_the_functions(monkeypatch) -> None:
+    import types
+
+    import torch
+
+    sleeps: list[int] = []
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
+    owner = types.SimpleNamespace(forward=lambda x: x + 1, backward=lambda: "b")
+    original = owner.forward
+    labels: list[str] = []
+    gate = [False]
+    with harness.phase_marks(
+        labels, (owner, "forward", "fwd", lambda: gate[0]), (owner, "backward", "bwd", None)
+    ):
+        assert owner.forward(1) == 2 and labels == []  # when() false: no marker
+        gate[0] = True
+        assert owner.forward(1) == 2 and owner.backward() == "b"
+    assert labels == ["fwd", "bwd"] and sleeps == [1, 1]
+    assert owner.forward is original
