@@ -140,6 +140,37 @@ def test_positions_come_from_the_host_once_per_micro_batch_and_step(
     assert len(calls) == len(make_micro_batches(groups, adv, 8, world["eos"], token_budget=10_000))
 
 
+@pytest.mark.parametrize("budget", [10_000, None])
+def test_media_cross_to_the_device_once_per_distinct_tensor_and_join_there(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, budget: int | None
+) -> None:
+    """``media_on``: a micro-batch's media built on the device from each distinct prompt's
+    tensors, copied once each, equal (values, dtypes, keys) to the host's ``mb.mm`` whose rows
+    repeat them; packed rows of image, video and audio prompts, and one prompt's rows."""
+    from omni_grpo.backends.torch_backend import media_on
+    from omni_grpo.testing.rollouts import rollout_world
+
+    world = rollout_world(tmp_path_factory.mktemp("media"), n_prompts=6, n=3, max_new_tokens=2)
+    groups = world["groups"]
+    adv = torch.zeros(len(groups), 3)
+    mbs = make_micro_batches(groups, adv, 8, world["eos"], token_budget=budget)
+    kinds = {k for mb in mbs for k in mb.mm}
+    assert {"pixel_values", "pixel_values_videos", "input_features"} <= kinds
+    copies: list[int] = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda t, *a, **k: copies.append(id(t)) or to(t, *a, **k)
+    )
+    for mb in mbs:
+        copies.clear()
+        built = media_on(mb, torch.device("cpu"))
+        distinct = {id(v) for p in mb.prompts for v in p.mm.values()}
+        assert sorted(copies) == sorted(distinct)  # each once, none of mb.mm's repeats
+        assert built.keys() == mb.mm.keys()
+        for key, value in mb.mm.items():
+            assert built[key].dtype == value.dtype and torch.equal(built[key], value), key
+
+
 def test_micro_batching_gives_the_same_update(world: dict) -> None:
     groups = world["groups"]
     adv = torch.randn(len(groups), 4, generator=torch.Generator().manual_seed(1))

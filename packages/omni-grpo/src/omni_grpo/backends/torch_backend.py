@@ -234,6 +234,28 @@ def _micro_batch(
     return MicroBatch(prompts, ids, attn, mask, rollout, adv, width, mm)
 
 
+def media_on(mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """``mb.mm`` built on ``device``: each distinct prompt's media tensors copied once, then
+    joined there as ``_micro_batch`` joins them on the host (``collate_mm``; a prompt's rows
+    repeat its media, and collating n copies of one prompt is ``repeat_mm``'s n blocks).
+
+    Why: ``mb.mm`` holds a prompt's pixels and audio features once per row (a group's 8 rows: 8
+    copies), and every forward of the micro-batch (the KL reference's, the policy's) copied all
+    of them from pageable host memory in the GPU's stream: 27 and 51 copies, 57 and 50 ms of a
+    20-layer exact update's profile on one H100
+    (``benchmarks/results/one_gpu_thinker_phases_20l_h100.json``). The same tensors, the same
+    values: each distinct one crosses the bus once per forward."""
+    copied: dict[int, torch.Tensor] = {}
+
+    def on_device(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in copied:
+            copied[id(t)] = t.to(device, non_blocking=True)
+        return copied[id(t)]
+
+    rows = [{k: on_device(v) for k, v in p.mm.items()} for p in mb.prompts if p.mm]
+    return collate_mm(rows) if rows else {}
+
+
 class TorchBackend:
     """``TrainerBackend`` over an in-process ``OmniThinker`` (the module the embedded engine samples)."""
 
@@ -399,7 +421,7 @@ class TorchBackend:
         a module, or a function of the same keyword arguments). Host-to-device copies do not
         wait for the GPU (``non_blocking``: the copy is queued behind the work before it)."""
         ids = mb.input_ids.to(self.device, non_blocking=True)
-        mm = {k: v.to(self.device, non_blocking=True) for k, v in mb.mm.items()}
+        mm = mb.mm if self.device.type == "cpu" else media_on(mb, self.device)
         t = mb.mask.shape[1]
         # Exactly the t predicting positions, as a contiguous [B, t, V] tensor: a slice of t+1
         # would be copied by the logprob reshape and its gradient scattered back (2 x 0.6 GiB
