@@ -190,11 +190,11 @@ def profile_table(fn: Callable[[], Any], dst: Path, labels: list[str] | None = N
             (e.device_type.name, e.name, e.time_range.start, e.time_range.end)
             for e in prof.events()
         ]
-        kernels = [(a, b) for kind, _, a, b in events if kind == "CUDA"]
+        named = [(n, a, b) for kind, n, a, b in events if kind == "CUDA"]
         host = [(n, a, b) for kind, n, a, b in events if kind == "CPU"]
+        kernels = [(a, b) for _, a, b in named]
         text += "\n\n" + json.dumps(gpu_timeline(kernels, host), indent=1)
         if labels is not None:
-            named = [(n, a, b) for kind, n, a, b in events if kind == "CUDA"]
             text += "\n\n" + json.dumps(phase_split(named, labels), indent=1)
     dst.write_text(text)
     return out

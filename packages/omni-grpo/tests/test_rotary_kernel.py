@@ -29,7 +29,7 @@ def test_it_stands_aside_off_cuda_under_autograd_and_unless_switched_on(monkeypa
 
     calls: list[int] = []
 
-    def original(q, k, cos, sin, unsqueeze_dim=1):
+    def original(q, k, cos, sin, unsqueeze_dim=1, **kw):
         calls.append(unsqueeze_dim)
         return q, k
 
@@ -45,4 +45,9 @@ def test_it_stands_aside_off_cuda_under_autograd_and_unless_switched_on(monkeypa
         assert not rk.fused_applies(q.requires_grad_(), k, cos, sin)
     monkeypatch.delenv(rk.SWITCH)  # opt-in: off by default
     assert not rk.fused_applies(q.detach(), k, cos, sin)
+    # where it would apply, any argument the attention does not pass still goes to the original
+    monkeypatch.setattr(rk, "fused_applies", lambda *a: True)
+    for extra, kw in (((2,), {}), ((), {"unsqueeze_dim": 2}), ((), {"position_ids": None})):
+        calls.clear()
+        assert wrapped(q, k, cos, sin, *extra, **kw) is not None and len(calls) == 1, (extra, kw)
     assert vl.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"  # functools.wraps

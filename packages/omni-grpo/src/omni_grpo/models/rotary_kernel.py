@@ -164,8 +164,9 @@ def fused_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kw: Any,
     ) -> Any:
-        unsqueeze_dim = kw.get("unsqueeze_dim", args[0] if args else 1)
-        if unsqueeze_dim == 1 and len(args) + len(kw) <= 1 and fused_applies(q, k, cos, sin):
+        # only the call as the attention makes it: nothing past ``unsqueeze_dim``, which is 1
+        plain = set(kw) <= {"unsqueeze_dim"} and [*args, *kw.values()] in ([], [1])
+        if plain and fused_applies(q, k, cos, sin):
             return rotate(q, cos, sin), rotate(k, cos, sin)
         return original(q, k, cos, sin, *args, **kw)
 
