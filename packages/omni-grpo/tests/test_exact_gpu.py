@@ -45,17 +45,22 @@ def test_matmul_rows_do_not_depend_on_the_row_tiling(k: int, n: int) -> None:
     assert torch.equal(bulk, mm(a, b, None, DECODE_TILING))
     assert torch.equal(bulk, mm(a, b, None, RowTiling(64, 4, 8)))  # grouped launch, 64 rows
     assert torch.equal(bulk[5:12], mm(a[5:12], b))
+    # wider column tiles, a deeper pipeline, split-K chunks summed in the program
+    for other in (RowTiling(128, 8, 8, 256, 4), RowTiling(128, 8, 8, 0, 3, True)):
+        assert torch.equal(bulk, mm(a, b, None, other)), other
 
 
 def test_grouped_gemm_rows_do_not_depend_on_the_row_tiling() -> None:
     from omni_grpo.exact.grouped import gmm
-    from omni_grpo.models.grouped_gemm import BULK_TILING, DECODE_TILING, tile_map
+    from omni_grpo.models.grouped_gemm import BULK_TILING, DECODE_TILING, RowTiling, tile_map
 
     x, w = _bf16(8000, 2048), _bf16(16, 2048, 1536) / 45
     offs = torch.tensor([500 * (i + 1) for i in range(16)], device="cuda", dtype=torch.int32)
     offs[3] = offs[2]  # an empty expert
     bulk = gmm(x, w, offs, tile_map(offs, 8000, BULK_TILING.block_m), BULK_TILING)
     assert torch.equal(bulk, gmm(x, w, offs, None, DECODE_TILING))
+    wide = RowTiling(128, 8, 8, 256, 4)  # wider column tiles, a deeper pipeline
+    assert torch.equal(bulk, gmm(x, w, offs, tile_map(offs, 8000, 128), wide))
     alone = torch.full_like(offs, 3)
     assert torch.equal(bulk[:3], gmm(x[:3], w, alone, None, DECODE_TILING))
 

@@ -127,6 +127,44 @@ def test_every_row_tiling_and_launch_order_covers_each_tile_once(tiling: tuple) 
 
 
 @interpreted
+@pytest.mark.parametrize(("m", "k", "n", "bias"), [(70, 1024, 16, True), (3, 2048, 130, False)])
+def test_split_k_chunks_summed_in_the_program_are_the_partials_sum(
+    m: int, k: int, n: int, bias: bool
+) -> None:
+    """``RowTiling.fuse_splits``: every ``K`` chunk computed by one program and added in chunk
+    order — the fp32 arithmetic of the partials and ``_sum_chunks_kernel``, so the same bits."""
+    from omni_grpo.exact.matmul import config, mm
+    from omni_grpo.models.grouped_gemm import RowTiling
+
+    assert config(k, n)[2] > 1
+    a, b = torch.randn(m, k), torch.randn(k, n) / k**0.5
+    c = torch.randn(n) if bias else None
+    # the same tile rows in both (the interpreter's dot is numpy's: its blocking follows them)
+    for rows, warps in ((64, 4), (128, 8)):
+        partials = mm(a, b, c, RowTiling(rows, warps, 8))
+        assert torch.equal(mm(a, b, c, RowTiling(rows, warps, 8, fuse_splits=True)), partials)
+
+
+@interpreted
+@pytest.mark.parametrize("tiling", [(128, 8, 8, 256), (64, 4, 2, 256, 4)])
+def test_a_wider_column_block_covers_each_tile_once(tiling: tuple) -> None:
+    """``RowTiling.block_n``: 256-column tiles where the product has the columns (a tail block
+    masked), the default 128 elsewhere; the matmul and the grouped GEMM still match torch."""
+    from omni_grpo.exact.matmul import mm
+    from omni_grpo.models.grouped_gemm import RowTiling, gmm, tile_map
+
+    row_tiles = RowTiling(*tiling)
+    assert row_tiles.column_block(64, 600) == 256 and row_tiles.column_block(64, 200) == 128
+    a, b = torch.randn(150, 64), torch.randn(64, 600)
+    torch.testing.assert_close(mm(a, b, None, row_tiles), a @ b, rtol=1e-5, atol=1e-4)
+    x, w = torch.randn(200, 32), torch.randn(3, 32, 520)
+    offs = torch.tensor([70, 70, 200], dtype=torch.int32)
+    plan = tile_map(offs, 200, row_tiles.block_m)
+    ref = torch.cat([x[:70] @ w[0], x[70:200] @ w[2]])
+    torch.testing.assert_close(gmm(x, w, offs, plan, row_tiles), ref, rtol=1e-5, atol=1e-4)
+
+
+@interpreted
 def test_top_k_sum_over_expert_order_rows_matches_the_weighted_sum_and_its_gradients() -> None:
     from omni_grpo.exact.combine import topk_sum_kernel, unsort_topk_sum
 

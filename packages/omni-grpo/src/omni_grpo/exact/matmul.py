@@ -25,7 +25,6 @@ import triton.language as tl
 
 from omni_grpo.exact.switch import torch_kernels_on
 from omni_grpo.models.grouped_gemm import (
-    NUM_STAGES,
     NUM_WARPS,
     RowTiling,
     row_tiling,
@@ -53,6 +52,43 @@ def config(k: int, n: int) -> tuple[int, int, int, int]:
     return block_n, block_k, triton.cdiv(k, chunk), chunk
 
 
+@triton.jit
+def _chunk(
+    a_ptr,
+    b_ptr,
+    rm,
+    rn,
+    M,
+    N,
+    k_lo,
+    k_hi,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One output tile's fp32 product over ``K`` in ``[k_lo, k_hi)``, ``BLOCK_K`` at a time."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+            mask=(rm[:, None] < M) & (kk[None, :] < k_hi),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+            mask=(kk[:, None] < k_hi) & (rn[None, :] < N),
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every size
 def _mm_kernel(
     a_ptr,
@@ -75,30 +111,54 @@ def _mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr,
 ):
+    """One output tile, or (split-``K``) one ``K`` chunk's fp32 partial of it. ``FUSED_SPLITS``
+    > 1: the program computes every chunk itself and adds them in chunk order in fp32 — the
+    arithmetic of the partials summed by :func:`_sum_chunks_kernel`, without them in memory."""
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = swizzle(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     pid_s = tl.program_id(1)  # the K chunk (split-K: c is then the fp32 partials [S, M, N])
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_s * CHUNK
     k_hi = tl.minimum(k_lo + CHUNK, K)
     c_ptr += pid_s.to(tl.int64) * stride_cs
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(
-            a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-            mask=(rm[:, None] < M) & (kk[None, :] < k_hi),
-            other=0.0,
+    acc = _chunk(
+        a_ptr,
+        b_ptr,
+        rm,
+        rn,
+        M,
+        N,
+        k_lo,
+        k_hi,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    for s in tl.static_range(1, FUSED_SPLITS):  # chunk 0 above, then 1, 2, ... in order
+        acc += _chunk(
+            a_ptr,
+            b_ptr,
+            rm,
+            rn,
+            M,
+            N,
+            s * CHUNK,
+            tl.minimum((s + 1) * CHUNK, K),
+            stride_am,
+            stride_ak,
+            stride_bk,
+            stride_bn,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
-        b = tl.load(
-            b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-            mask=(kk[:, None] < k_hi) & (rn[None, :] < N),
-            other=0.0,
-        )
-        acc = tl.dot(a, b, acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -157,12 +217,15 @@ def mm(
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
+    tiling = tiling or row_tiling(m)
     block_n, block_k, splits, chunk = config(k, n)
-    block_m, warps, group_m = tiling or row_tiling(m)
-    split = splits > 1
+    block_n = tiling.column_block(k, n)
+    fused = splits if splits > 1 and tiling.fuse_splits else 1  # the chunks in one program
+    split = splits > 1 and fused == 1
     # split-K: the chunks' fp32 partials, summed in order below (bias added there)
     dest = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if split else out
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits)
+    block_m, warps = tiling.block_m, tiling.warps
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits if split else 1)
     _mm_kernel[grid](
         a,
         b,
@@ -183,9 +246,10 @@ def mm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        GROUP_M=group_m,
+        GROUP_M=tiling.group_m,
+        FUSED_SPLITS=fused,
         num_warps=warps,
-        num_stages=NUM_STAGES,
+        num_stages=tiling.stages,
     )
     if split:
         _sum_chunks_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))](

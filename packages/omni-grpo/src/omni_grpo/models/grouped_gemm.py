@@ -41,15 +41,27 @@ BLOCK_M = 64
 class RowTiling(NamedTuple):
     """How many rows a program's tile takes (``block_m``), its warps, and how many row tiles
     run side by side over every column block before the next ones (``group_m``, the launch
-    order: :func:`swizzle`). None of them touches an output element's arithmetic — the same
-    ``BLOCK_K`` chunks of ``K`` in order, each through the same ``m64 x BLOCK_N x k16``
-    tensor-core instructions (a 128-row tile is two of them side by side) — so a row has the
-    same bits under every tiling (GPU-tested: ``packages/omni-grpo/tests/test_exact_gpu.py``); only the speed
-    differs (``benchmarks/exact_tiles.py``)."""
+    order: :func:`swizzle`); optionally a wider column tile (``block_n``, 0: :func:`tiles`'),
+    the software pipeline's depth (``stages``) and, for :func:`omni_grpo.exact.matmul.mm`'s
+    split-``K`` products, the chunks summed inside each program instead of through fp32
+    partials in memory (``fuse_splits``). None of them touches an output element's arithmetic
+    — the same ``BLOCK_K`` chunks of ``K`` in order, each through ``m64 x n x k16`` tensor-core
+    instructions (a 128-row tile is two of them side by side), the split chunks added in chunk
+    order in fp32 — so a row has the same bits under every tiling (GPU-tested:
+    ``packages/omni-grpo/tests/test_exact_gpu.py``); only the speed differs
+    (``benchmarks/exact_tiles.py``)."""
 
     block_m: int
     warps: int
     group_m: int
+    block_n: int = 0
+    stages: int = NUM_STAGES
+    fuse_splits: bool = False
+
+    def column_block(self, k: int, n: int) -> int:
+        """``BLOCK_N`` for a product with ``n`` columns: the override where ``n`` fills it."""
+        default = tiles(k, n)[0]
+        return self.block_n if self.block_n > default and n >= self.block_n else default
 
 
 # A GROUP_M past any grid's row tiles: every row tile of a column block, then the next block —
@@ -195,9 +207,10 @@ def gmm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, warps, group_m = tiling
+    block_m, warps, group_m = tiling.block_m, tiling.warps, tiling.group_m
     tile_expert, tile_row = plan if plan is not None else tile_map(offs, rows, block_m)
-    block_n, block_k = tiles(k, n)
+    block_k = tiles(k, n)[1]
+    block_n = tiling.column_block(k, n)
     grid = (tile_expert.numel() * triton.cdiv(n, block_n),)
     res = out if residual is None else residual  # not read without a residual
     _gmm_kernel[grid](
@@ -226,6 +239,6 @@ def gmm(
         GROUP_M=group_m,
         HAS_RESIDUAL=residual is not None,
         num_warps=warps,
-        num_stages=NUM_STAGES,
+        num_stages=tiling.stages,
     )
     return out
