@@ -21,6 +21,7 @@ last JSON line), ``rerun("ours")`` (this script's own command + ``--side ours``:
 ``torch_threads(default)``, ``cuda_device("NAME.py")`` (a GPU-only script's device, or its
 one-line exit). Records: ``train_metrics(run_dir)``, ``means(rows, keys)``,
 ``profile_table(fn, dst)`` (the ops' table; on a GPU the idle timeline: ``gpu_timeline``),
+``sync_sites(fn)`` (each line that made the host wait for the GPU, counted),
 ``versions("peft")`` (python, git, GPU, packages).
 
 The baseline a figure is compared with is measured in the same run, never hard-coded: a ratio to
@@ -293,6 +294,54 @@ def phase_split(
         rec["gpu_ms"] = round(rec["gpu_ms"], 2)
         rec["top_ms"] = [[n[:90], round(ms, 2)] for n, ms in names]
     return {"markers": seen, "phases": out}
+
+
+SYNC_WARNING = "synchronizing CUDA operation"  # torch's sync debug mode's warning
+
+
+def sync_sites(fn: Callable[[], Any], top: int = 25) -> tuple[Any, dict[str, int]]:
+    """``fn()`` under CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``): how
+    many times the host waited for the GPU, by the innermost line of this repository (else of any
+    Python) that asked. Why: a sync drains the GPU's queue, and whatever the host does next, the
+    GPU waits for — the idle gaps in a profile, named by the line that caused them. Without CUDA
+    the mode is not set: only warnings ``fn`` emits itself are counted (the CPU test)."""
+    import traceback
+    import warnings
+
+    torch = sys.modules["torch"]  # the caller's
+    cuda = torch.cuda.is_available()
+    sites: dict[str, int] = {}
+
+    def record(message: Any, *_: Any) -> None:
+        if SYNC_WARNING not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        ours = [f for f in frames if str(REPO) in f.filename or "omni_" in f.filename]
+        frame = (ours or frames)[-1]
+        site = f"{_short(frame.filename)}:{frame.lineno} {frame.name}"
+        sites[site] = sites.get(site, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+    return out, dict(ranked)
+
+
+def _short(path: str) -> str:
+    """A path from the package or repository it lives in (``omni_grpo/...``, ``benchmarks/...``)."""
+    parts = Path(path).parts
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("site-packages", "src") or Path(*parts[: i + 1]) == REPO:
+            return str(Path(*parts[i + 1 :]))
+    return path
 
 
 # ----------------------------------------------------------------------- memory and processes

@@ -13,7 +13,8 @@ lognormal:MEDIAN:SIGMA``; ``--long-prompts`` (every prompt a 32-frame video and 
 ``--compile``, ``--checkpoint-policy``: the trainer's; ``--[no-]exact-logprobs``: default as
 ``rollout.exact_logprobs: auto`` (on for CUDA with layer checkpointing and no extra groups);
 ``--write-run DIR`` (model, media and a train config: cli_run.py); ``--trl-steps N`` (then TRL +
-peft); ``--profile``.
+peft); ``--profile``; ``--sync-sites`` (one more update: the lines that made the host wait for
+the GPU, counted: ``harness.sync_sites``).
 
     python benchmarks/one_gpu_thinker.py --work /tmp/og                       # H200, 8 x 8 x 512
     python benchmarks/one_gpu_thinker.py --work /tmp/og --prompts 32          # 256 rows
@@ -117,7 +118,7 @@ if __name__ == "__main__":
     ap.add_argument("--exact-logprobs", action=argparse.BooleanOptionalAction)  # None: auto
     harness.add_options(ap, batching=("static", "continuous", "both"), static_batch_rows=512)
     harness.add_options(ap, long_prompts=False, generation_only=False, write_run=Path)
-    args = harness.add_options(ap, trl_warmup=1, profile=str).parse_args()
+    args = harness.add_options(ap, trl_warmup=1, profile=str, sync_sites=False).parse_args()
     args.audio_seconds = args.audio_seconds or (60.0 if args.long_prompts else 30.0)
     args.video_frames = args.video_frames or (32 if args.long_prompts else 16)
     harness.torch_threads(4)
@@ -246,6 +247,11 @@ if __name__ == "__main__":
         step["update_tower_items"] = {"found": towers["hits"], "encoded": towers["misses"]}
         steps.append(step | {"skipped_step": metrics.get("skipped_step")})
         harness.progress({"step": steps[-1]})
+    sync_counts: dict[str, int] | None = None
+    if args.sync_sites:  # one more update (the last batch again), each wait for the GPU counted
+        again = GRPOBatch(groups, adv, temperature=sampling.temperature)
+        _, sync_counts = harness.sync_sites(lambda: backend.step(again))
+        harness.progress({"update_sync_sites": sync_counts})
     if args.profile:  # one more update, then 64 new tokens of eager generation (a CUDA graph's
         # kernels are not traced one by one), media encoded as in a timed step: <dst>.generation.txt
         dst, batch = Path(args.profile), GRPOBatch(groups, adv, temperature=sampling.temperature)
@@ -288,6 +294,7 @@ if __name__ == "__main__":
         entry["vs_static"] = round(entry["tokens_per_s"] / summary["static"]["tokens_per_s"], 3)
     out |= {"last": last, "peak_allocated_gib": round(peak, 2), "samples_per_s": ours, "trl": trl}
     out["samples_per_s_ratio_vs_trl"] = ours / trl["samples_per_s"] if trl else None
+    out |= {"update_sync_sites": sync_counts}
     out |= {"versions": harness.versions("peft"), "dynamo": None}
     if args.compile:  # the graphs it made and where it broke them (a break costs fusion)
         breaks = {k.split("\n")[0][:120]: v for k, v in counters["graph_break"].items()}

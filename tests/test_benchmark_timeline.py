@@ -70,3 +70,28 @@ def test_phase_marks_label_the_calls_and_restore_the_functions(monkeypatch) -> N
         assert owner.forward(1) == 2 and owner.backward() == "b"
     assert labels == ["fwd", "bwd"] and sleeps == [1, 1]
     assert owner.forward is original
+
+
+def _waits_here(times: int) -> None:
+    import warnings
+
+    for _ in range(times):  # the warning torch's sync debug mode gives, from this line
+        warnings.warn(f"called a {harness.SYNC_WARNING}", UserWarning, stacklevel=1)
+
+
+def test_sync_sites_counts_each_wait_by_the_line_of_this_repository_that_asked() -> None:
+    import warnings
+
+    def step() -> str:
+        _waits_here(3)
+        warnings.warn("something else", UserWarning, stacklevel=1)  # not a sync: not counted
+        return "done"
+
+    out, sites = harness.sync_sites(step)
+    assert out == "done"
+    [(site, count)] = sites.items()
+    assert (
+        count == 3
+        and site.startswith("tests/test_benchmark_timeline.py:")
+        and "_waits_here" in site
+    )
