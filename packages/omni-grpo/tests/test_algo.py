@@ -425,6 +425,40 @@ def test_mismatch_metrics_hand_values() -> None:
     assert met["train_rollout_ratio_p95"] == pytest.approx(1.0 + 0.9 * 0.6487213, abs=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 2, 37])
+def test_mismatch_metrics_are_those_of_the_selected_tokens(tokens: int) -> None:
+    """The masked arithmetic (no host read) gives what the selected tokens give to torch's own
+    reductions: means, Pearson, ``torch.quantile``'s linear interpolation, NaN where undefined."""
+    gen = torch.Generator().manual_seed(tokens)
+    train, roll = -torch.rand(3, 20, generator=gen) * 3, -torch.rand(3, 20, generator=gen) * 3
+    roll[0, :4] = train[0, :4]  # some bitwise-equal tokens
+    mask = torch.zeros(3, 20, dtype=torch.bool)
+    mask.view(-1)[torch.randperm(60, generator=gen)[:tokens]] = True
+    met = mismatch_metrics(train, roll, mask)
+    t, r = train[mask], roll[mask]
+    w = torch.exp(t - r)
+    if tokens == 0:
+        assert all(math.isnan(v) for v in met.values())
+        return
+    qs = torch.quantile(w, torch.tensor([0.05, 0.5, 0.95]))
+    want = {
+        "train_rollout_logprob_abs_diff": (t - r).abs().mean(),
+        "train_rollout_logprob_exact_fraction": (t == r).double().mean(),
+        "train_rollout_kl": kl_estimate(r, t, "low_var_kl").mean(),
+        "train_rollout_ratio_p5": qs[0],
+        "train_rollout_ratio_p50": qs[1],
+        "train_rollout_ratio_p95": qs[2],
+        "ess_ratio": w.sum() ** 2 / (w.numel() * (w * w).sum()),
+    }
+    if tokens >= 2:
+        a, b = t - t.mean(), r - r.mean()
+        want["train_rollout_logprob_pearson"] = (a * b).sum() / (a.norm() * b.norm())
+    else:
+        assert math.isnan(met["train_rollout_logprob_pearson"])
+    for key, value in want.items():
+        assert met[key].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), key
+
+
 def test_mismatch_reported_by_loss() -> None:
     old = torch.tensor([[-1.0, -2.0]])
     roll = torch.tensor([[-1.1, -1.8]])

@@ -75,6 +75,29 @@ def test_metrics_sum_loss_parts_and_weight_the_rest_by_tokens() -> None:
     assert out["grad_norm"] == 1.5 and out["lr"] == 1e-3
 
 
+def test_deferred_metrics_read_once_sum_as_metric_sums() -> None:
+    """``DeferredMetrics`` holds the device tensors and sums their floats as ``MetricSums``
+    would have, micro-batch by micro-batch (the same float arithmetic, the same order)."""
+    import torch
+    from omni_grpo.algo.step import DeferredMetrics
+
+    parts = [
+        ({"loss": 0.25, "pg_clipfrac": 0.5, "train_rollout_logprob_pearson": 0.9}, 2.0),
+        ({"loss": 0.5, "pg_clipfrac": 0.1, "train_rollout_logprob_pearson": float("nan")}, 6.0),
+        ({"loss": 0.0, "ppo_kl": 0.3}, 1.0),
+    ]
+    direct, deferred = MetricSums(), DeferredMetrics()
+    for metrics, tokens in parts:
+        as_read = {k: torch.tensor(v).item() for k, v in metrics.items()}  # float32, then float
+        direct.add(as_read, tokens)
+        deferred.add({k: torch.tensor(v) for k, v in metrics.items()}, tokens)
+    resolved = deferred.resolve()
+    assert deferred.pending == [] and resolved.micro_batches == 3
+    assert dict(resolved.sums) == dict(direct.sums)
+    assert dict(resolved.weights) == dict(direct.weights)
+    assert DeferredMetrics().resolve().micro_batches == 0
+
+
 def test_merge_equals_one_accumulator() -> None:
     parts = [({"loss": 0.1, "pg_clipfrac": 0.2}, 3.0), ({"loss": 0.3, "pg_clipfrac": 0.6}, 1.0)]
     one = MetricSums()

@@ -203,6 +203,28 @@ def test_watch_warns_once_per_modality_naming_step_and_modality(
     assert len(caplog.records) == 1 and stale.totals["video"] == (1, 2)
 
 
+def test_watch_queues_on_the_device_and_reads_once_at_flush(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The trainer queues each micro-batch (no host read between its forward and backward) and
+    flushes at the step's end: the same counts, totals and one warning as checking each."""
+    from omni_grpo.exact.watch import ExactnessWatch
+
+    same, mb_same = _mb([[-1.0, -2.0, 0.0]] * 2, [[-1.0, -2.0, 5.0]] * 2, ["image", "audio"])
+    train, mb = _mb([[-1.0, -2.0, 0.0]], [[-1.0, -2.5, 0.0]], ["video"])
+    watch = ExactnessWatch()
+    with caplog.at_level(logging.WARNING, logger="omni_grpo.exact"):
+        watch.queue(same, mb_same, step=5)
+        watch.queue(train, mb, step=5)
+        assert watch.totals == {} and not caplog.records  # nothing read yet
+        per_mb = watch.flush()
+    assert per_mb == [{"audio": (0, 2), "image": (0, 2)}, {"video": (1, 2)}]
+    assert watch.totals == {"audio": (0, 2), "image": (0, 2), "video": (1, 2)}
+    (record,) = caplog.records
+    assert "at step 5, 1 of 2 video completion tokens" in record.getMessage()
+    assert watch.flush() == []
+
+
 def test_tree_sum_and_softmax_are_elementwise_per_row() -> None:
     from omni_grpo.exact.rowwise import softmax, tree_sum
 

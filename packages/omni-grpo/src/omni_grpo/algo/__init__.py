@@ -8,7 +8,13 @@ from omni_grpo.algo.logprobs import (
     forward_kl_from_logits,
     token_logprobs_from_logits,
 )
-from omni_grpo.algo.loss import clipped_surrogate, grpo_loss, tis_weights
+from omni_grpo.algo.loss import (
+    clipped_surrogate,
+    grpo_loss,
+    grpo_loss_terms,
+    read_metrics,
+    tis_weights,
+)
 from omni_grpo.algo.metrics import MISMATCH_KEYS, mismatch_metrics
 
 __all__ = [
@@ -19,11 +25,13 @@ __all__ = [
     "entropy_from_logits",
     "forward_kl_from_logits",
     "grpo_loss",
+    "grpo_loss_terms",
     "group_advantages",
     "kl_estimate",
     "masked_mean",
     "masked_zero",
     "mismatch_metrics",
+    "read_metrics",
     "tis_weights",
     "token_logprobs_from_logits",
 ]

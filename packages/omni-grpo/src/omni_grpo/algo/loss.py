@@ -75,6 +75,44 @@ def grpo_loss(
     num_samples: float | None = None,
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`grpo_loss_terms` with its metrics read to plain floats (one device sync)."""
+    loss, metrics = grpo_loss_terms(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        cfg,
+        ref_logp,
+        rollout_logp,
+        entropy,
+        kl,
+        num_samples=num_samples,
+        num_tokens=num_tokens,
+    )
+    return loss, read_metrics(metrics)
+
+
+def read_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-dim metric tensors as floats, in one host read."""
+    names = list(metrics)
+    values = torch.stack([metrics[k] for k in names]).tolist() if names else []
+    return dict(zip(names, values, strict=True))
+
+
+def grpo_loss_terms(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgoConfig,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
+    *,
+    num_samples: float | None = None,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``loss = pg_loss - entropy_coef * entropy + kl_coef * kl`` and the step metrics.
 
     - ``logp [B, T]``: current policy logprobs of the sampled tokens (with grad).
@@ -90,8 +128,9 @@ def grpo_loss(
       it needs both models' logits over the vocabulary, which only the backend holds.
     - ``num_samples`` / ``num_tokens``: global normalisers for micro-batching (see ``aggregate``).
 
-    Metrics are plain floats (one device sync); means over this call's response tokens/samples.
-    """
+    Metrics are 0-dim float32 tensors on ``logp``'s device, nothing read back to the host (a
+    backend may queue the backward first and read them at the step's end: ``algo.step.
+    DeferredMetrics``); means over this call's response tokens/samples."""
     m = mask.bool()
     if logp.shape != m.shape:
         raise ValueError(f"logp {tuple(logp.shape)} and mask {tuple(m.shape)} differ")
@@ -169,8 +208,4 @@ def grpo_loss(
 
     metrics["loss"] = loss.detach()
     metrics["response_tokens"] = m.sum().to(logp.dtype)
-    names = list(metrics)
-    values = torch.stack(
-        [metrics[k].detach().float().reshape(()).to(logp.device) for k in names]
-    ).tolist()
-    return loss, dict(zip(names, values, strict=True))
+    return loss, {k: v.detach().float().reshape(()).to(logp.device) for k, v in metrics.items()}

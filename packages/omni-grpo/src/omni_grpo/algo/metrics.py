@@ -3,6 +3,10 @@
 Computed on response tokens only, with no gradient. ``train_logp`` is the trainer's logprob of the
 sampled tokens under the SAME weights the engine sampled with (the recompute before the update),
 so in a perfect world every metric here is trivial (diff 0, corr 1, ratios 1, kl 0, ess 1).
+
+Nothing here reads a value back to the host (no boolean-mask selection, no Python branch on a
+tensor): the trainer computes them between a micro-batch's forward and its backward, where a
+host read would leave the GPU idle until the host had queued the backward.
 """
 
 from __future__ import annotations
@@ -10,16 +14,6 @@ from __future__ import annotations
 import torch
 
 from omni_grpo.algo.kl import kl_estimate
-
-
-def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.numel() < 2:
-        return torch.tensor(float("nan"))
-    a = a - a.mean()
-    b = b - b.mean()
-    denom = a.norm() * b.norm()
-    return (a * b).sum() / denom if denom > 0 else torch.tensor(float("nan"))
-
 
 MISMATCH_KEYS: tuple[str, ...] = (
     "train_rollout_logprob_abs_diff",
@@ -47,22 +41,52 @@ def mismatch_metrics(
     (sum w)^2 / (n sum w^2) of those ratios (1 = no mismatch).
     """
     m = mask.bool()
-    t = train_logp.detach().float()[m]
-    r = rollout_logp.detach().float()[m]
-    if t.numel() == 0:
-        nan = torch.tensor(float("nan"))
-        return dict.fromkeys(MISMATCH_KEYS, nan)
-    w = torch.exp(t - r)
-    q = torch.quantile(w, torch.tensor([0.05, 0.5, 0.95], dtype=w.dtype, device=w.device))
-    return {
-        "train_rollout_logprob_abs_diff": (t - r).abs().mean(),
+    t = torch.where(m, train_logp.detach().float(), 0.0)
+    r = torch.where(m, rollout_logp.detach().float(), 0.0)
+    count = m.sum()
+    n = count.clamp(min=1).float()
+    nan = torch.full((), float("nan"), device=t.device)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(m, x, 0.0).sum() / n
+
+    w = torch.where(m, torch.exp(t - r), 0.0)
+    # Pearson over the masked tokens: centred by their means, nothing else contributing
+    a, b = torch.where(m, t - mean(t), 0.0), torch.where(m, r - mean(r), 0.0)
+    denom = a.norm() * b.norm()
+    pearson = torch.where((count >= 2) & (denom > 0), (a * b).sum() / denom, nan)
+    out = {
+        "train_rollout_logprob_abs_diff": mean((t - r).abs()),
         # a count over a count, not ``.float().mean()``: CUDA's mean multiplies by 1/n, which
         # rounds an all-equal batch to 0.99999994 and a step of them to 0.999999985
-        "train_rollout_logprob_exact_fraction": (t == r).sum().double() / t.numel(),
-        "train_rollout_logprob_pearson": _pearson(t, r),
-        "train_rollout_kl": kl_estimate(r, t, "low_var_kl").mean(),
-        "train_rollout_ratio_p5": q[0],
-        "train_rollout_ratio_p50": q[1],
-        "train_rollout_ratio_p95": q[2],
-        "ess_ratio": w.sum() ** 2 / (w.numel() * (w * w).sum()),
+        "train_rollout_logprob_exact_fraction": ((t == r) & m).sum().double() / n.double(),
+        "train_rollout_logprob_pearson": pearson,
+        "train_rollout_kl": mean(kl_estimate(r, t, "low_var_kl")),
+        **dict(zip(QUANTILE_KEYS, _masked_quantiles(w, m, count, QUANTILES), strict=True)),
+        "ess_ratio": w.sum() ** 2 / (n * (w * w).sum()),
     }
+    empty = count == 0
+    return {k: torch.where(empty, nan.to(v.dtype), v) for k, v in out.items()}
+
+
+QUANTILES = (0.05, 0.5, 0.95)
+QUANTILE_KEYS = ("train_rollout_ratio_p5", "train_rollout_ratio_p50", "train_rollout_ratio_p95")
+
+
+def _masked_quantiles(
+    x: torch.Tensor, m: torch.Tensor, count: torch.Tensor, qs: tuple[float, ...]
+) -> list[torch.Tensor]:
+    """``torch.quantile``'s linear interpolation over the masked values of ``x``, with no host
+    read of how many there are (the masked-out sort last as +inf; NaN among them gives NaN)."""
+    ordered = torch.sort(torch.where(m, x, float("inf")).reshape(-1)).values
+    last = (count - 1).clamp(min=0)
+    out = []
+    for q in qs:
+        pos = q * last.double()
+        lo, hi = pos.floor().long(), pos.ceil().long()
+        # index_select with a device index: ``ordered[lo]`` would read ``lo`` back to the host
+        v_lo = ordered.index_select(0, lo.reshape(1)).reshape(())
+        v_hi = ordered.index_select(0, hi.reshape(1)).reshape(())
+        out.append(v_lo + (pos - lo).to(x.dtype) * (v_hi - v_lo))
+    has_nan = (torch.isnan(x) & m).any()
+    return [torch.where(has_nan, torch.full_like(v, float("nan")), v) for v in out]

@@ -156,6 +156,30 @@ class MetricSums:
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
+@dataclass
+class DeferredMetrics:
+    """:class:`MetricSums` fed ``grpo_loss_terms``' device tensors, read back once at the end.
+
+    Why: reading a micro-batch's metrics makes the host wait for its forward; with the read
+    between the forward and ``loss.backward()``, the GPU then idles while the host queues the
+    backward, every micro-batch. Queued here, they are read in one transfer by :meth:`resolve`
+    and summed in the same order with the same float arithmetic as :meth:`MetricSums.add`."""
+
+    pending: list[tuple[dict[str, torch.Tensor], float]] = field(default_factory=list)
+
+    def add(self, metrics: Mapping[str, torch.Tensor], tokens: float) -> None:
+        self.pending.append((dict(metrics), tokens))
+
+    def resolve(self) -> MetricSums:
+        sums = MetricSums()
+        flat = [(k, v) for metrics, _ in self.pending for k, v in metrics.items()]
+        values = iter(torch.stack([v for _, v in flat]).tolist() if flat else [])
+        for metrics, tokens in self.pending:
+            sums.add({k: next(values) for k in metrics}, tokens)
+        self.pending.clear()
+        return sums
+
+
 def apply_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:
     """Set the step's learning rate (``GRPOBatch.lr``, the loop's schedule) on every param group;
     ``None`` leaves the optimizer's own (``trainer.lr``): callers that build batches by hand."""

@@ -5,7 +5,7 @@
 prompt, at most ``micro_batch_size`` each, so no prompt padding and the multimodal positions are
 those of an unbatched forward; or, with ``trainer.micro_batch_tokens``, rows of several prompts
 packed up to that many padded tokens), forward prompt+completion, take the logprobs of the sampled tokens,
-compute the shared GRPO loss (``omni_grpo.algo.grpo_loss``) with global normalisers so that the
+compute the shared GRPO loss (``omni_grpo.algo.grpo_loss_terms``) with global normalisers so that the
 micro-batch losses add up to the full-batch loss, backward, and after the last micro-batch clip
 the gradient norm and step AdamW — unless ``omni_grpo.algo.step.should_step`` says not to: a
 NaN/inf norm skips the step (gradients dropped, weights untouched, ``skipped_step``), and so does a
@@ -52,11 +52,11 @@ import torch.distributed as dist
 from omni_grpo.algo import (
     entropy_from_logits,
     forward_kl_from_logits,
-    grpo_loss,
+    grpo_loss_terms,
     token_logprobs_from_logits,
 )
 from omni_grpo.algo.step import (
-    MetricSums,
+    DeferredMetrics,
     StepDecision,
     apply_lr,
     current_lr,
@@ -507,7 +507,7 @@ class TorchBackend:
             with torch.no_grad():
                 ref = [self._reference_logp(mb, batch.temperature) for mb in mbs]
         clock.lap("reference")
-        sums = MetricSums()
+        sums = DeferredMetrics()
         decisions: list[StepDecision] = []
         grad_norm = 0.0
         for _epoch in range(self.cfg.ppo_epochs):
@@ -522,7 +522,7 @@ class TorchBackend:
                     logits, targets, batch.temperature, exact=self.exact
                 )
                 if self.exact and _epoch == 0:  # rollout.exact_logprobs: warn on a difference
-                    self.exact_watch.check(logp, mb, self.steps_done + 1)
+                    self.exact_watch.queue(logp, mb, self.steps_done + 1)  # read at the end
                 entropy = None
                 if self.algo.entropy_coef != 0:
                     entropy = entropy_from_logits(logits, batch.temperature)
@@ -531,7 +531,7 @@ class TorchBackend:
                     kl = forward_kl_from_logits(logits, ref_logits, batch.temperature)
                     del ref_logits
                 old_logp = old[i] if old[i] is not None else logp.detach()
-                loss, m = grpo_loss(
+                loss, m = grpo_loss_terms(  # metrics stay on the device until the end
                     logp,
                     old_logp,
                     mb.advantages.to(self.device, non_blocking=True),
@@ -554,9 +554,14 @@ class TorchBackend:
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
         clock.lap("policy")
+        self.exact_watch.flush()
         return {
             **step_metrics(
-                sums.reduce(self.dp_group), counts, grad_norm, decisions, current_lr(self.optimizer)
+                sums.resolve().reduce(self.dp_group),
+                counts,
+                grad_norm,
+                decisions,
+                current_lr(self.optimizer),
             ),
             **clock.seconds,
         }

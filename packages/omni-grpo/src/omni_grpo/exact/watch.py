@@ -26,16 +26,44 @@ class ExactnessWatch:
         self.warned: set[str] = set()
         # per modality [differing, total] tokens since the last clear (benchmarks read it)
         self.totals: dict[str, tuple[int, int]] = {}
+        # (per-row [differing, total] on the device, the rows' prompts, step): :meth:`queue`
+        self._pending: list[tuple[torch.Tensor, Any, int]] = []
 
     @torch.no_grad()
-    def check(self, train_logp: torch.Tensor, mb: Any, step: int) -> dict[str, tuple[int, int]]:
-        """Per modality ``(differing, total)`` completion tokens of ``mb``; warns the first time
-        a modality has a difference."""
+    def queue(self, train_logp: torch.Tensor, mb: Any, step: int) -> None:
+        """Counts ``mb``'s differing tokens on the device, to be read by :meth:`flush`. Why
+        queued: read at once, the host would wait for the forward before queuing the backward,
+        and the GPU would idle meanwhile, every micro-batch."""
         mask = mb.mask.to(train_logp.device).bool()
         differ = (train_logp.detach().float() != mb.rollout_logp.to(train_logp.device)) & mask
-        per_row = torch.stack([differ.sum(-1), mask.sum(-1)], -1).cpu().tolist()
+        self._pending.append((torch.stack([differ.sum(-1), mask.sum(-1)], -1), mb.prompts, step))
+
+    def flush(self) -> list[dict[str, tuple[int, int]]]:
+        """Reads every queued micro-batch's counts (one host read), adds them to ``totals`` and
+        warns as :meth:`check` does; per micro-batch, per modality ``(differing, total)``."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        rows = torch.cat([counts for counts, _, _ in pending]).cpu().tolist()
+        out, start = [], 0
+        for counts, prompts, step in pending:
+            per_row = rows[start : start + counts.shape[0]]
+            start += counts.shape[0]
+            out.append(self._tally(per_row, prompts, step))
+        return out
+
+    def check(self, train_logp: torch.Tensor, mb: Any, step: int) -> dict[str, tuple[int, int]]:
+        """Per modality ``(differing, total)`` completion tokens of ``mb``, read now; warns the
+        first time a modality has a difference."""
+        self.flush()
+        self.queue(train_logp, mb, step)
+        return self.flush()[0]
+
+    def _tally(
+        self, per_row: list[list[int]], prompts: Any, step: int
+    ) -> dict[str, tuple[int, int]]:
         out: dict[str, tuple[int, int]] = {}
-        for prompt, (bad, total) in zip(mb.prompts, per_row, strict=True):
+        for prompt, (bad, total) in zip(prompts, per_row, strict=True):
             modality = getattr(prompt.sample, "modality", "text")
             b, t = out.get(modality, (0, 0))
             out[modality] = (b + int(bad), t + int(total))
