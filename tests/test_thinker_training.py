@@ -154,6 +154,15 @@ def test_count_mismatch_names_both_counts(root):
     }
     with pytest.raises(PlaceholderCountError, match="no input_features"):
         thinker(**no_audio)
+    # with the caller's positions (the trainer's, from the host) the early check is skipped and
+    # the injection's own check at scatter time still refuses the short sequence
+    grids = ("image_grid_thw", "video_grid_thw", "video_second_per_grid", "feature_attention_mask")
+    media = {k: batch[k] for k in grids if k in batch}
+    positions, _ = thinker.compute_position_ids(
+        batch["input_ids"], batch.get("attention_mask"), **media
+    )
+    with pytest.raises(PlaceholderCountError, match=f"hold {expected - 1} audio placeholder"):
+        thinker(**{**batch, "input_ids": ids, "position_ids": positions})
 
 
 def test_missing_tower_is_named_only_when_audio_is_used(root, tmp_path):

@@ -212,7 +212,10 @@ class OmniThinker(nn.Module):
         # A decode step (cache filled, no features) embeds any sampled id as a plain token, like
         # transformers; every other forward is checked strictly.
         decode_step = past > 0 and input_features is None
-        if not decode_step:
+        # the early check serves omni-rope's positions; with the caller's (the trainer computes
+        # them on the host) it would only read two counts back from the GPU, stalling the host
+        # at each forward's start: the injection checks the counts again at scatter time
+        if not decode_step and position_ids is None:
             self._check_audio_counts(input_ids, input_features, feature_attention_mask)
         if position_ids is None:
             if past == 0:
