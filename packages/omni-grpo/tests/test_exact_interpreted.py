@@ -260,8 +260,8 @@ def test_rotary_kernel_is_transformers_composition(
 ) -> None:
     """``models.rotary_kernel.rotate`` on the attention's transposed view (and a decode step's
     one position, cos broadcast over the batch) against transformers' ``q * cos +
-    rotate_half(q) * sin``: in fp32 the same products and sum, bit for bit. (The bf16 roundings
-    are the GPU test's: this interpreter converts fp32 to bf16 by truncation.)"""
+    rotate_half(q) * sin``: in fp32 and in bf16 (torch's CPU ops) the same products and sum,
+    bit for bit."""
     from omni_grpo.models.rotary_kernel import rotate
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import rotate_half
 
@@ -270,6 +270,12 @@ def test_rotary_kernel_is_transformers_composition(
     out = rotate(x, cos, sin)
     assert out.stride() == x.stride()  # the view's memory layout kept
     assert torch.equal(out, x * cos[:, None] + rotate_half(x) * sin[:, None])
+    # bf16: each product and the sum rounded to nearest-even on the bits (the kernel's own
+    # rounding, which the interpreter runs as the GPU does): torch's bf16 ops, bit for bit
+    xb, cb, sb = x.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    want = xb * cb[:, None] + rotate_half(xb) * sb[:, None]
+    got = rotate(xb, cb, sb)
+    assert torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
 
 
 @interpreted
