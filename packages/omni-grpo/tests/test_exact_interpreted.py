@@ -236,6 +236,27 @@ def test_grouped_gemm_matches_per_group_products_with_empty_groups() -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("tiling", ["decode", "bulk"])
+def test_grouped_gemm_reads_gathered_rows_as_the_gathered_copy(tiling: str) -> None:
+    """``gmm(x, w, offs, gather=tokens)``: the product of ``x[tokens]`` read through the index,
+    equal to the product of the gathered copy (the same values in the same order), empty
+    groups, a token taken by several experts, and the residual epilogue alike."""
+    from omni_grpo.models.grouped_gemm import BULK_TILING, DECODE_TILING, gmm
+
+    tiles = BULK_TILING if tiling == "bulk" else DECODE_TILING
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 32, generator=gen)
+    tokens = torch.randint(0, 40, (150,), generator=gen)
+    w = torch.randn(5, 32, 24, generator=gen)
+    offs = torch.tensor([0, 70, 70, 71, 150], dtype=torch.int32)
+    res = torch.randn(150, 24, generator=gen)
+    for residual in (None, res):
+        ref = gmm(x[tokens], w, offs, tiling=tiles, residual=residual)
+        out = gmm(x, w, offs, tiling=tiles, residual=residual, gather=tokens)
+        assert out.shape == (150, 24) and torch.equal(out, ref)
+
+
+@interpreted
 def test_rmsnorm_and_its_gradient_match_the_transformers_formula() -> None:
     from omni_grpo.exact.rowwise import _torch_rmsnorm, rmsnorm
 

@@ -25,6 +25,7 @@ from omni_grpo.exact.grouped import (
     BLOCK_M,
     RowTiling,
     TileMap,
+    gmm,
     grouped_linear,
     row_tiling,
     tile_map,
@@ -72,14 +73,23 @@ def _project(
     transposed: bool,
     grouped: tuple[torch.Tensor, TileMap | None, RowTiling],
     lora: Any,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W`` (+ the adapter's ``(x A^T) (scale B^T)``, added in the ``B`` product's epilogue:
-    the bits of the two products' sum); ``grouped``: offsets, map, tiling."""
+    the bits of the two products' sum); ``grouped``: offsets, map, tiling. ``gather``: the
+    products of ``x[gather]``, read through the index by the kernel (no autograd: a forward
+    that records no graph)."""
     w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
-    out = grouped_linear(x, w, *grouped)
+    if gather is not None:
+        out = gmm(x, w.to(x.dtype), *grouped, gather=gather)
+    else:
+        out = grouped_linear(x, w, *grouped)
     if lora is not None:
         a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts.lora_factors)
-        low = grouped_linear(x, a_t, *grouped)
+        if gather is not None:
+            low = gmm(x, a_t.to(x.dtype), *grouped, gather=gather)
+        else:
+            low = grouped_linear(x, a_t, *grouped)
         out = grouped_linear(low, b_t, *grouped, residual=out)
     return out
 
@@ -97,17 +107,24 @@ def experts_forward(
     torch_path = torch_kernels_on()
     order = expert_order(top_k_index, num_experts, fused=not torch_path, stable=True)
     perm, inv, offs = order.perm, order.inv, order.offs
-    x = ExpandSorted.apply(hidden.to(_dtype()), order.tokens, inv, top_k)
+    # with no graph to record, the gate_up and LoRA A products read each token's row through
+    # the pairs' token ids (gmm's gather: the same values) instead of a gathered [pairs, H] copy
+    gather = order.tokens if not torch_path and not torch.is_grad_enabled() else None
+    if gather is None:
+        x = ExpandSorted.apply(hidden.to(_dtype()), order.tokens, inv, top_k)
+    else:
+        x = hidden.to(_dtype())
+    pairs = order.tokens.numel()
     transposed = bool(getattr(base, "is_transposed", False))
     # a decode step's few pairs: 64-row tiles, the one-kernel route's map; a training
     # micro-batch's or a prefill's many: 128-row tiles (the same bits a row: RowTiling)
-    tiling = row_tiling(x.shape[0])
+    tiling = row_tiling(pairs)
     plan = None
     if not torch_path:
         fits = order.tiles is not None and tiling.block_m == BLOCK_M
-        plan = order.tiles if fits else tile_map(offs, x.shape[0], tiling.block_m)
+        plan = order.tiles if fits else tile_map(offs, pairs, tiling.block_m)
     grouped = (offs, plan, tiling)
-    gate_up = _project(x, base.gate_up_proj, transposed, grouped, lora.get("gate_up_proj"))
+    gate_up = _project(x, base.gate_up_proj, transposed, grouped, lora.get("gate_up_proj"), gather)
     out = _project(
         gated(base, gate_up).to(_dtype()),
         base.down_proj,

@@ -100,6 +100,7 @@ def _gmm_kernel(
     w_ptr,
     c_ptr,
     r_ptr,
+    rows_ptr,
     tile_expert_ptr,
     tile_row_ptr,
     ends_ptr,
@@ -120,6 +121,7 @@ def _gmm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     pid_t, pid_n = swizzle(tl.program_id(0), num_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     e = tl.load(tile_expert_ptr + pid_t)
@@ -129,12 +131,15 @@ def _gmm_kernel(
         rm = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        src = rm  # the A rows: x's own, or (GATHER) the tokens these sorted rows take
+        if GATHER:
+            src = tl.load(rows_ptr + rm, mask=rm < end, other=0).to(tl.int64)
         w_base = w_ptr + e.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             a = tl.load(
-                x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                x_ptr + src[:, None] * stride_xm + kk[None, :] * stride_xk,
                 mask=(rm[:, None] < end) & (kk[None, :] < K),
                 other=0.0,
             )
@@ -180,8 +185,15 @@ def gmm(
     plan: TileMap | None = None,
     tiling: RowTiling = DECODE_TILING,
     residual: torch.Tensor | None = None,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [T, K]`` rows grouped by ``offs`` times ``w [E, K, N]`` (any strides), in ``x``'s dtype.
+
+    ``gather [R]``: the product of ``x[gather]`` (the MoE block's tokens in expert order, each
+    once per routed expert) read through the index in the kernel's loads instead of gathered
+    into an ``[R, K]`` copy first — the same values, so the same bits, one write and read of
+    the block's largest input less (the gather was 25 ms of each 20-layer exact forward on one
+    H100: ``benchmarks/results/one_gpu_thinker_phases_20l_h100.json``).
 
     ``plan``: ``tile_map(offs, T, tiling.block_m)`` when the caller has it already. A MoE
     block makes six grouped products over the same rows and offsets (gate_up, down and their
@@ -195,7 +207,8 @@ def gmm(
     adapter's ``B`` product is added to the base product's output (``exact.moe``); as two kernels
     the rank-16 product writes a full ``[pairs, N]`` tensor that the add reads back with the
     residual and writes again, two of the four passes over the MoE block's largest tensors."""
-    rows, k = x.shape
+    k = x.shape[1]
+    rows = x.shape[0] if gather is None else gather.numel()
     experts, k2, n = w.shape
     if k != k2 or offs.numel() != experts:
         raise ValueError(f"gmm: x {tuple(x.shape)}, w {tuple(w.shape)}, {offs.numel()} offsets")
@@ -218,6 +231,7 @@ def gmm(
         w,
         out,
         res,
+        gather if gather is not None else tile_row,  # not read without GATHER
         tile_expert,
         tile_row,
         offs.to(torch.int32),
@@ -238,6 +252,7 @@ def gmm(
         BLOCK_K=block_k,
         GROUP_M=group_m,
         HAS_RESIDUAL=residual is not None,
+        GATHER=gather is not None,
         num_warps=warps,
         num_stages=tiling.stages,
     )
