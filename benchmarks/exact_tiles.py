@@ -8,12 +8,14 @@ tokens, 8 routed experts each) and per tiling: the time, the FLOP rate against t
 measured in the same run and against torch's own kernel on the same operands (cuBLAS,
 ``torch._grouped_mm``: not row-invariant), and whether every row has the bits of the 64-row
 tiling in the launch order it had before (``64x4_m_first``) and of the same rows computed alone
-(7 rows: a decode step's). docs/exact-logprobs.md.
+(7 rows: a decode step's). Then the MoE block's gather folded into the grouped GEMM's loads
+against the gathered copy (``gathered``). docs/exact-logprobs.md.
 
     python benchmarks/exact_tiles.py            # needs CUDA
 """
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import harness
@@ -121,6 +123,47 @@ def grouped(dev: torch.device, rate: float) -> dict[str, Any]:
     return out
 
 
+def _copy_then_gmm(h: Any, ids: Any, w: Any, offs: Any, plan: Any, tiling: Any) -> Any:
+    from omni_grpo.models.grouped_gemm import gmm
+
+    return gmm(h.index_select(0, ids), w, offs, plan, tiling)
+
+
+def _gather_gmm(h: Any, ids: Any, w: Any, offs: Any, plan: Any, tiling: Any) -> Any:
+    from omni_grpo.models.grouped_gemm import gmm
+
+    return gmm(h, w, offs, plan, tiling, gather=ids)
+
+
+def gathered(dev: torch.device) -> dict[str, Any]:
+    """The MoE block's gate_up and LoRA A products as a no-grad forward runs them: reading each
+    pair's token row through the index (``gmm(..., gather=)``) against gathering the rows into
+    a ``[pairs, H]`` copy first, at a micro-batch's tokens (bulk tiling) and a decode step's."""
+    from omni_grpo.models.grouped_gemm import row_tiling, tile_map
+
+    out: dict[str, Any] = {}
+    for tokens in (TOKENS, ALONE):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        logits = torch.randn(tokens, EXPERTS, device=dev, generator=gen)
+        order = torch.sort(torch.topk(logits, TOP_K, dim=-1).indices.reshape(-1), stable=True)
+        ids = order.indices // TOP_K  # each pair's token, in expert order
+        offs = torch.cumsum(torch.bincount(order.values, minlength=EXPERTS), 0).to(torch.int32)
+        tiling = row_tiling(ids.numel(), grouped=True)
+        plan = tile_map(offs, ids.numel(), tiling.block_m)
+        h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
+        for name, n in (("gate_up", 2 * EXPERT_FFN), ("lora_a", RANK)):
+            w = torch.randn(EXPERTS, HIDDEN, n, device=dev, dtype=torch.bfloat16) / HIDDEN**0.5
+
+            operands = (h, ids, w, offs, plan, tiling)
+            copy, read = partial(_copy_then_gmm, *operands), partial(_gather_gmm, *operands)
+            rec = {"equal": bool(torch.equal(copy(), read()))}
+            rec |= {"copy_then_gmm_ms": round(_ms(copy), 4), "gather_gmm_ms": round(_ms(read), 4)}
+            rec["speedup"] = round(rec["copy_then_gmm_ms"] / rec["gather_gmm_ms"], 3)
+            out[f"{name}_{tokens}_tokens"] = rec
+            harness.progress({f"gathered_{name}_{tokens}": rec})
+    return out
+
+
 if __name__ == "__main__":
     args = harness.parser(__doc__).parse_args()
     dev = harness.cuda_device("exact_tiles.py")
@@ -131,4 +174,5 @@ if __name__ == "__main__":
     result["shapes"] = {"tokens": TOKENS, "completion_tokens": COMPLETION, "top_k": TOP_K}
     result["dense"] = dense(dev, rate)
     result["grouped"] = grouped(dev, rate)
+    result["gathered"] = gathered(dev)
     harness.emit("exact_tiles", result, args.save)

@@ -52,15 +52,23 @@ def test_matmul_rows_do_not_depend_on_the_row_tiling(k: int, n: int) -> None:
 
 def test_grouped_gemm_rows_do_not_depend_on_the_row_tiling() -> None:
     from omni_grpo.exact.grouped import gmm
-    from omni_grpo.models.grouped_gemm import BULK_TILING, DECODE_TILING, RowTiling, tile_map
+    from omni_grpo.models.grouped_gemm import (
+        BULK_TILING,
+        DECODE_TILING,
+        GROUPED_BULK_TILING,
+        RowTiling,
+        tile_map,
+    )
 
     x, w = _bf16(8000, 2048), _bf16(16, 2048, 1536) / 45
     offs = torch.tensor([500 * (i + 1) for i in range(16)], device="cuda", dtype=torch.int32)
     offs[3] = offs[2]  # an empty expert
-    bulk = gmm(x, w, offs, tile_map(offs, 8000, BULK_TILING.block_m), BULK_TILING)
+    plan = tile_map(offs, 8000, GROUPED_BULK_TILING.block_m)
+    bulk = gmm(x, w, offs, plan, GROUPED_BULK_TILING)  # 256-column tiles
     assert torch.equal(bulk, gmm(x, w, offs, None, DECODE_TILING))
-    wide = RowTiling(128, 8, 8, 256, 4)  # wider column tiles, a deeper pipeline
-    assert torch.equal(bulk, gmm(x, w, offs, tile_map(offs, 8000, 128), wide))
+    assert torch.equal(bulk, gmm(x, w, offs, plan, BULK_TILING))  # 128-column tiles
+    deeper = RowTiling(128, 8, 8, 256, 4)  # a deeper pipeline
+    assert torch.equal(bulk, gmm(x, w, offs, plan, deeper))
     alone = torch.full_like(offs, 3)
     assert torch.equal(bulk[:3], gmm(x[:3], w, alone, None, DECODE_TILING))
 
@@ -74,7 +82,7 @@ def test_the_grouped_gemm_residual_is_torchs_add_of_the_product(rows: int) -> No
     x, w, res = _bf16(rows, 16), _bf16(16, 16, 1536) / 4, _bf16(rows, 1536)
     offs = torch.linspace(rows // 16, rows, 16, device="cuda").to(torch.int32)
     offs[3] = offs[2]  # an empty expert
-    tiling = row_tiling(rows)
+    tiling = row_tiling(rows, grouped=True)
     plan = tile_map(offs, rows, tiling.block_m)
     fused = gmm(x, w, offs, plan, tiling, res)
     assert torch.equal(fused, res + gmm(x, w, offs, plan, tiling))

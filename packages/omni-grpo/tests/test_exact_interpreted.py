@@ -146,6 +146,23 @@ def test_split_k_chunks_summed_in_the_program_are_the_partials_sum(
 
 
 @interpreted
+def test_a_bulk_narrow_product_sums_its_chunks_in_the_program(monkeypatch) -> None:
+    """The default tiling of a training micro-batch's rank-sized split-K product (``N <=
+    FUSED_SPLITS_MAX_N``) fuses the chunks (no partials kernel), with the partials' bits; a
+    decode step's rows keep the partials."""
+    from omni_grpo.exact import matmul
+    from omni_grpo.models.grouped_gemm import BULK_ROWS, BULK_TILING
+
+    a, b = torch.randn(BULK_ROWS, 1024), torch.randn(1024, 16) / 32
+    partials = matmul.mm(a, b, None, BULK_TILING)
+    with monkeypatch.context() as m:
+        m.setattr(matmul, "_sum_chunks_kernel", None)  # taking it would fail
+        assert torch.equal(matmul.mm(a, b), partials)
+        with pytest.raises(TypeError):
+            matmul.mm(a[:5], b)
+
+
+@interpreted
 @pytest.mark.parametrize("tiling", [(128, 8, 8, 256), (64, 4, 2, 256, 4)])
 def test_a_wider_column_block_covers_each_tile_once(tiling: tuple) -> None:
     """``RowTiling.block_n``: 256-column tiles where the product has the columns (a tail block
@@ -241,19 +258,19 @@ def test_grouped_gemm_reads_gathered_rows_as_the_gathered_copy(tiling: str) -> N
     """``gmm(x, w, offs, gather=tokens)``: the product of ``x[tokens]`` read through the index,
     equal to the product of the gathered copy (the same values in the same order), empty
     groups, a token taken by several experts, and the residual epilogue alike."""
-    from omni_grpo.models.grouped_gemm import BULK_TILING, DECODE_TILING, gmm
+    from omni_grpo.models.grouped_gemm import DECODE_TILING, GROUPED_BULK_TILING, gmm
 
-    tiles = BULK_TILING if tiling == "bulk" else DECODE_TILING
+    tiles = GROUPED_BULK_TILING if tiling == "bulk" else DECODE_TILING
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, 32, generator=gen)
     tokens = torch.randint(0, 40, (150,), generator=gen)
-    w = torch.randn(5, 32, 24, generator=gen)
+    w = torch.randn(5, 32, 300, generator=gen)  # a 256-column tile and a tail
     offs = torch.tensor([0, 70, 70, 71, 150], dtype=torch.int32)
-    res = torch.randn(150, 24, generator=gen)
+    res = torch.randn(150, 300, generator=gen)
     for residual in (None, res):
         ref = gmm(x[tokens], w, offs, tiling=tiles, residual=residual)
         out = gmm(x, w, offs, tiling=tiles, residual=residual, gather=tokens)
-        assert out.shape == (150, 24) and torch.equal(out, ref)
+        assert out.shape == (150, 300) and torch.equal(out, ref)
 
 
 @interpreted

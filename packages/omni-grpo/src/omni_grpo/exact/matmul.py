@@ -32,6 +32,11 @@ from omni_grpo.models.grouped_gemm import (
     tiles,
 )
 
+# A bulk split-K product this narrow sums its chunks in one program (RowTiling.fuse_splits): on
+# an H100 at 16k rows (benchmarks/results/exact_tiles_schedules_h100.json) a rank-16 LoRA A ran
+# 1.74x faster so, the 128-column router 0.80x and the 512-column k/v projections 0.91x.
+FUSED_SPLITS_MAX_N = 64
+
 # One reduction per (K, N) class (tiles, config): never a function of M. The rows per tile may
 # be (grouped_gemm.RowTiling: the same per-element arithmetic); BLOCK_M: the sum kernel's.
 BLOCK_M = 64
@@ -209,7 +214,8 @@ def mm(
 ) -> torch.Tensor:
     """``a [M, K] @ b [K, N] (+ bias)`` in ``a``'s dtype with fp32 accumulation, row-invariant.
     ``tiling``: the tiles' rows, warps and launch order (default ``row_tiling(M)``: 128-row tiles for
-    a training micro-batch or a prefill, 64 for a decode step's rows)."""
+    a training micro-batch or a prefill, split-K chunks summed in the program where ``N <=
+    FUSED_SPLITS_MAX_N``; 64-row tiles for a decode step's rows)."""
     m, k = a.shape
     k2, n = b.shape
     if k != k2:
@@ -217,7 +223,10 @@ def mm(
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
-    tiling = tiling or row_tiling(m)
+    if tiling is None:
+        tiling = row_tiling(m)
+        if tiling.block_m > BLOCK_M and n <= FUSED_SPLITS_MAX_N:  # the bulk tiling
+            tiling = tiling._replace(fuse_splits=True)
     block_n, block_k, splits, chunk = config(k, n)
     block_n = tiling.column_block(k, n)
     fused = splits if splits > 1 and tiling.fuse_splits else 1  # the chunks in one program

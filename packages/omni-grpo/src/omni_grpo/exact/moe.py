@@ -118,7 +118,7 @@ def experts_forward(
     transposed = bool(getattr(base, "is_transposed", False))
     # a decode step's few pairs: 64-row tiles, the one-kernel route's map; a training
     # micro-batch's or a prefill's many: 128-row tiles (the same bits a row: RowTiling)
-    tiling = row_tiling(pairs)
+    tiling = row_tiling(pairs, grouped=True)
     plan = None
     if not torch_path:
         fits = order.tiles is not None and tiling.block_m == BLOCK_M

@@ -72,14 +72,22 @@ DECODE_TILING = RowTiling(BLOCK_M, NUM_WARPS, ROW_TILES_FIRST)
 # a prefill or a training micro-batch: 128-row tiles, 8 row tiles at a time over every column
 # block (benchmarks/exact_tiles.py: 1.3-1.6x on the 48-layer micro-batch's large products)
 BULK_TILING = RowTiling(128, 8, 8)
+# the grouped GEMM's bulk products take 256-column tiles where they have the columns: on an H100
+# at 16k tokens x 8 experts (benchmarks/results/exact_tiles_schedules_h100.json) the experts'
+# gate_up ran at 0.74 of the matmul rate against 0.62 (1.19x) and down 0.58 against 0.52 (1.12x),
+# the same bits; the dense products lost with them (o_proj 0.90x), so they keep 128
+GROUPED_BULK_TILING = BULK_TILING._replace(block_n=256)
 # From here on the bulk tiling: a training micro-batch's tokens or routed pairs; a decode step of
 # 512 rows routes 4,096 pairs and keeps its one-kernel route's 64-row tile map.
 BULK_ROWS = 8192
 
 
-def row_tiling(rows: int) -> RowTiling:
-    """The row tiling for a product of ``rows`` rows (``exact.matmul`` and the grouped GEMM)."""
-    return BULK_TILING if rows >= BULK_ROWS else DECODE_TILING
+def row_tiling(rows: int, grouped: bool = False) -> RowTiling:
+    """The row tiling for a product of ``rows`` rows: ``exact.matmul``'s, or (``grouped``) the
+    grouped GEMM's."""
+    if rows < BULK_ROWS:
+        return DECODE_TILING
+    return GROUPED_BULK_TILING if grouped else BULK_TILING
 
 
 @triton.jit
@@ -199,7 +207,7 @@ def gmm(
     block makes six grouped products over the same rows and offsets (gate_up, down and their
     LoRA A and B), and the map is ~20 small kernels: the H200 generation profile showed its
     index, searchsorted and scan kernels 6 times per layer and decode step, so ``exact.moe``
-    computes it once per block. ``tiling``: :func:`row_tiling` (the tiles' rows and warps,
+    computes it once per block. ``tiling``: ``row_tiling(rows, grouped=True)`` (the tiles' rows, warps, columns,
     never the reduction; the plan must be cut for its ``block_m``).
 
     ``residual [T, N]`` (``x``'s dtype): ``residual + x @ w`` with the product rounded to the
