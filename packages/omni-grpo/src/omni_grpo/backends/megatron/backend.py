@@ -12,7 +12,7 @@ advantages, ``omni_grpo.types``) and:
 3. computes the reference logprobs (a CPU copy of the initial weights swapped in, no second model
    on the GPU) and, with ``ppo_epochs > 1``, the behaviour logprobs once before the first update;
 4. per epoch and micro-batch: forward, vocab-parallel token logprobs (and entropy), the SHARED
-   ``omni_grpo.algo.grpo_loss`` with the step's global normalisers, backward;
+   ``omni_grpo.algo.grpo_loss_terms`` with the step's global normalisers, backward;
 5. reduces gradients across TP / DP / EP (``.grads``), takes the global grad norm, and lets
    ``omni_grpo.algo.step.should_step`` decide: clip and step the fp32-master AdamW (``.optim``),
    or skip for a non-finite norm, or skip when no completion carries signal;
@@ -40,9 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omni_grpo.algo import grpo_loss
+from omni_grpo.algo import grpo_loss_terms
 from omni_grpo.algo.step import (
-    MetricSums,
+    DeferredMetrics,
     StepDecision,
     apply_lr,
     current_lr,
@@ -241,7 +241,7 @@ class MegatronBackend:
             with torch.no_grad():
                 for micro in micros:
                     micro["old_logp"] = self._logprobs(micro, temperature)[0]
-        sums = MetricSums()
+        sums = DeferredMetrics()  # read once at the end: no host wait before each backward
         decisions: list[StepDecision] = []
         norm = 0.0
         for _epoch in range(self.cfg.ppo_epochs):
@@ -249,7 +249,7 @@ class MegatronBackend:
             for micro in micros:
                 logp, ent = self._logprobs(micro, temperature, entropy=self.algo.entropy_coef != 0)
                 old = micro["old_logp"] if "old_logp" in micro else logp.detach()
-                loss, metrics = grpo_loss(
+                loss, metrics = grpo_loss_terms(
                     logp,
                     old,
                     micro["adv"],
@@ -270,7 +270,7 @@ class MegatronBackend:
                 self.optim.step(min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)))
             self.optim.zero_grad()
         return step_metrics(
-            sums.reduce(dp_group), counts, norm, decisions, current_lr(self.optim.opt)
+            sums.resolve().reduce(dp_group), counts, norm, decisions, current_lr(self.optim.opt)
         )
 
     def supervised_step(
