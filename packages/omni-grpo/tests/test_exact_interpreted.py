@@ -274,6 +274,27 @@ def test_grouped_gemm_reads_gathered_rows_as_the_gathered_copy(tiling: str) -> N
 
 
 @interpreted
+def test_the_default_decode_route_reads_the_pairs_rows_as_the_expanded_copy() -> None:
+    """The option-off decode route (``grouped_experts._lora_linear`` with the Triton plan) reads
+    each pair's token row through the ids, as exact mode does: the same values, so the same
+    base and LoRA products as the expanded copy; without a plan the ids are gathered first."""
+    from omni_grpo.models.grouped_experts import _lora_linear
+    from omni_grpo.models.grouped_gemm import tile_map
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 32, generator=gen)
+    tokens = torch.sort(torch.randint(0, 9, (27,), generator=gen)).values
+    offs = torch.tensor([10, 10, 27], dtype=torch.int32)
+    weight = torch.randn(3, 48, 32, generator=gen)  # [E, out, in], used transposed
+    lora = (torch.randn(3, 32, 4, generator=gen), torch.randn(3, 4, 48, generator=gen))
+    plan = tile_map(offs, 27)
+    copy = _lora_linear(hidden[tokens], weight, False, offs, lora, plan)
+    assert torch.equal(_lora_linear(hidden, weight, False, offs, lora, plan, tokens), copy)
+    looped = _lora_linear(hidden, weight, False, offs, lora, None, tokens)
+    torch.testing.assert_close(looped, _lora_linear(hidden[tokens], weight, False, offs, lora))
+
+
+@interpreted
 def test_rmsnorm_and_its_gradient_match_the_transformers_formula() -> None:
     from omni_grpo.exact.rowwise import _torch_rmsnorm, rmsnorm
 

@@ -172,7 +172,7 @@ def test_the_triton_decode_route_equals_torchs_grouped_gemm(tokens: int) -> None
         torch.randn(experts, rank, 2 * inter, device="cuda").bfloat16() * 0.05,
     )
     index = torch.stack([torch.randperm(experts // 2, device="cuda")[:4] for _ in range(tokens)])
-    _, perm, offs = sort_by_expert(index, experts)
+    pairs_in_order, _, offs = sort_by_expert(index, experts)
     x = torch.randn(tokens * 4, hidden, device="cuda").bfloat16()
     with torch.no_grad():
         plan = tile_map(offs, x.shape[0])
@@ -181,3 +181,8 @@ def test_the_triton_decode_route_equals_torchs_grouped_gemm(tokens: int) -> None
             got = _lora_linear(xi, w, False, offs, lora, plan)
             want = _lora_linear(xi, w, False, offs, lora, None)
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+        # the rows read through the pairs' token ids (the decode route's gather): the same bits
+        h = torch.randn(tokens, hidden, device="cuda").bfloat16()
+        ids = pairs_in_order // 4  # each sorted pair's token
+        read = _lora_linear(h, gate_up, False, offs, lora_gu, plan, ids)
+        assert torch.equal(read, _lora_linear(h[ids], gate_up, False, offs, lora_gu, plan))

@@ -99,18 +99,25 @@ def expert_order(
 
 
 def grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: Any = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    plan: Any = None,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[rows of group g] = x[rows of group g] @ w[g]`` with ``offs`` the groups' cumulative ends.
 
-    ``plan`` (a tile map, :func:`expert_order`): the Triton kernel. Else, CUDA bf16: torch's
-    grouped GEMM (one launch, no host sync: CUDA-graph capturable). Elsewhere (the CPU tests,
-    fp32) a loop over the groups, which reads the offsets back to the host.
+    ``plan`` (a tile map, :func:`expert_order`): the Triton kernel, which may read ``x``'s rows
+    through ``gather`` (the product of ``x[gather]``: ``models.grouped_gemm.gmm``). Else, CUDA
+    bf16: torch's grouped GEMM (one launch, no host sync: CUDA-graph capturable). Elsewhere (the
+    CPU tests, fp32) a loop over the groups, which reads the offsets back to the host.
     """
     if plan is not None:
         from omni_grpo.models.grouped_gemm import gmm
 
-        return gmm(x.to(w.dtype), w, offs, plan)
+        return gmm(x.to(w.dtype), w, offs, plan, gather=gather)
+    if gather is not None:
+        x = x.index_select(0, gather)
     if x.is_cuda and w.dtype == torch.bfloat16:
         fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         x, w, n = pad_to_16_bytes(x.to(w.dtype), w)
@@ -193,12 +200,14 @@ def _lora_linear(
     offs: torch.Tensor,
     lora: tuple[torch.Tensor, torch.Tensor] | None,
     plan: Any = None,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x W_e (+ (x A_e^T) (scale B_e^T))`` for rows grouped by expert."""
-    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs, plan)
+    """``x W_e (+ (x A_e^T) (scale B_e^T))`` for rows grouped by expert (``gather``: of
+    ``x[gather]``, read through the index where the Triton kernel runs)."""
+    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs, plan, gather)
     if lora is not None:
         a_t, b_t = lora
-        out = out + grouped_mm(grouped_mm(x, a_t, offs, plan), b_t, offs, plan)
+        out = out + grouped_mm(grouped_mm(x, a_t, offs, plan, gather), b_t, offs, plan)
     return out
 
 
@@ -283,10 +292,14 @@ def grouped_lora_experts_forward(
     dtype = experts.gate_up_proj.dtype
     fused = takes_decode_route(hidden_states, dtype, top_k_index.numel())
     perm, inv, offs, tokens, plan = expert_order(top_k_index, num_experts, fused)
-    x = ExpandSorted.apply(hidden_states.to(dtype), tokens, inv, top_k)
     transposed = bool(getattr(experts, "is_transposed", False))
+    if plan is not None:  # the decode route (no grad): the Triton kernel reads each pair's row
+        # through its token id (the exact path's gather: the same values, the same numbers)
+        x, gather = hidden_states.to(dtype), tokens
+    else:
+        x, gather = ExpandSorted.apply(hidden_states.to(dtype), tokens, inv, top_k), None
     gate_up = _lora_linear(
-        x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"), plan
+        x, experts.gate_up_proj, transposed, offs, lora.get("gate_up_proj"), plan, gather
     )
     out = _lora_linear(
         gated(experts, gate_up).to(dtype),
