@@ -7,7 +7,7 @@ advantages are treated as constants.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,34 +61,10 @@ def tis_weights(
     return w, raw
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: AlgoConfig,
-    ref_logp: torch.Tensor | None = None,
-    rollout_logp: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    kl: torch.Tensor | None = None,
-    *,
-    num_samples: float | None = None,
-    num_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """:func:`grpo_loss_terms` with its metrics read to plain floats (one device sync)."""
-    loss, metrics = grpo_loss_terms(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        cfg,
-        ref_logp,
-        rollout_logp,
-        entropy,
-        kl,
-        num_samples=num_samples,
-        num_tokens=num_tokens,
-    )
+def grpo_loss(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`grpo_loss_terms` (same arguments) with its metrics read to plain floats (one
+    device sync): for callers with nothing to queue behind the read."""
+    loss, metrics = grpo_loss_terms(*args, **kwargs)
     return loss, read_metrics(metrics)
 
 
