@@ -439,6 +439,8 @@ def test_mismatch_metrics_are_those_of_the_selected_tokens(tokens: int) -> None:
     w = torch.exp(t - r)
     if tokens == 0:
         assert all(math.isnan(v) for v in met.values())
+        empty = mismatch_metrics(train[:, :0], roll[:, :0], mask[:, :0])  # no positions at all
+        assert set(empty) == set(met) and all(math.isnan(v) for v in empty.values())
         return
     qs = torch.quantile(w, torch.tensor([0.05, 0.5, 0.95]))
     want = {

@@ -271,6 +271,10 @@ def test_grouped_gemm_reads_gathered_rows_as_the_gathered_copy(tiling: str) -> N
         ref = gmm(x[tokens], w, offs, tiling=tiles, residual=residual)
         out = gmm(x, w, offs, tiling=tiles, residual=residual, gather=tokens)
         assert out.shape == (150, 300) and torch.equal(out, ref)
+    strided = torch.randint(0, 40, (300,), generator=gen)[::2]  # ids that are a strided view
+    assert torch.equal(
+        gmm(x, w, offs, tiling=tiles, gather=strided), gmm(x[strided], w, offs, tiling=tiles)
+    )
 
 
 @interpreted

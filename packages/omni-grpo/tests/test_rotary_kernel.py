@@ -51,3 +51,10 @@ def test_it_stands_aside_off_cuda_under_autograd_and_unless_switched_on(monkeypa
         calls.clear()
         assert wrapped(q, k, cos, sin, *extra, **kw) is not None and len(calls) == 1, (extra, kw)
     assert vl.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"  # functools.wraps
+
+
+def test_rotate_refuses_a_dtype_whose_roundings_it_does_not_reproduce() -> None:
+    x = torch.zeros(1, 2, 3, 8, dtype=torch.float16)
+    cos = torch.zeros(1, 3, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        rk.rotate(x, cos, cos)

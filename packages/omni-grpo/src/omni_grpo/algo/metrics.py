@@ -41,6 +41,8 @@ def mismatch_metrics(
     (sum w)^2 / (n sum w^2) of those ratios (1 = no mismatch).
     """
     m = mask.bool()
+    if m.numel() == 0:  # no positions at all (a known shape: no read of the device)
+        return {k: torch.full((), float("nan"), device=train_logp.device) for k in MISMATCH_KEYS}
     t = torch.where(m, train_logp.detach().float(), 0.0)
     r = torch.where(m, rollout_logp.detach().float(), 0.0)
     count = m.sum()

@@ -521,8 +521,11 @@ class TorchBackend:
                 logp = token_logprobs_from_logits(
                     logits, targets, batch.temperature, exact=self.exact
                 )
+                mask = mb.mask.to(self.device, non_blocking=True)
+                rollout_logp = mb.rollout_logp.to(self.device, non_blocking=True)
                 if self.exact and _epoch == 0:  # rollout.exact_logprobs: warn on a difference
-                    self.exact_watch.queue(logp, mb, self.steps_done + 1)  # read at the end
+                    step_no = self.steps_done + 1  # read at the step's end (flush)
+                    self.exact_watch.queue(logp, mb, step_no, mask, rollout_logp)
                 entropy = None
                 if self.algo.entropy_coef != 0:
                     entropy = entropy_from_logits(logits, batch.temperature)
@@ -535,10 +538,10 @@ class TorchBackend:
                     logp,
                     old_logp,
                     mb.advantages.to(self.device, non_blocking=True),
-                    mb.mask.to(self.device, non_blocking=True),
+                    mask,
                     self.algo,
                     ref_logp=ref[i],
-                    rollout_logp=mb.rollout_logp.to(self.device, non_blocking=True),
+                    rollout_logp=rollout_logp,
                     entropy=entropy,
                     kl=kl,
                     num_samples=counts.num_samples,

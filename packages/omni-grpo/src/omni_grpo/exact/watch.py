@@ -30,12 +30,23 @@ class ExactnessWatch:
         self._pending: list[tuple[torch.Tensor, Any, int]] = []
 
     @torch.no_grad()
-    def queue(self, train_logp: torch.Tensor, mb: Any, step: int) -> None:
+    def queue(
+        self,
+        train_logp: torch.Tensor,
+        mb: Any,
+        step: int,
+        mask: torch.Tensor | None = None,
+        rollout_logp: torch.Tensor | None = None,
+    ) -> None:
         """Counts ``mb``'s differing tokens on the device, to be read by :meth:`flush`. Why
         queued: read at once, the host would wait for the forward before queuing the backward,
-        and the GPU would idle meanwhile, every micro-batch."""
-        mask = mb.mask.to(train_logp.device).bool()
-        differ = (train_logp.detach().float() != mb.rollout_logp.to(train_logp.device)) & mask
+        and the GPU would idle meanwhile, every micro-batch. ``mask`` / ``rollout_logp``: the
+        micro-batch's, already on ``train_logp``'s device (else copied without waiting)."""
+        dev = train_logp.device
+        mask = (mask if mask is not None else mb.mask.to(dev, non_blocking=True)).bool()
+        if rollout_logp is None:
+            rollout_logp = mb.rollout_logp.to(dev, non_blocking=True)
+        differ = (train_logp.detach().float() != rollout_logp) & mask
         self._pending.append((torch.stack([differ.sum(-1), mask.sum(-1)], -1), mb.prompts, step))
 
     def flush(self) -> list[dict[str, tuple[int, int]]]:

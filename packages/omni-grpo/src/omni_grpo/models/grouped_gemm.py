@@ -216,6 +216,8 @@ def gmm(
     the rank-16 product writes a full ``[pairs, N]`` tensor that the add reads back with the
     residual and writes again, two of the four passes over the MoE block's largest tensors."""
     k = x.shape[1]
+    if gather is not None:  # the kernel reads the ids densely
+        gather = gather.reshape(-1).contiguous()
     rows = x.shape[0] if gather is None else gather.numel()
     experts, k2, n = w.shape
     if k != k2 or offs.numel() != experts:

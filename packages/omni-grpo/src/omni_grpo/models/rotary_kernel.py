@@ -114,6 +114,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """``x * cos + rotate_half(x) * sin`` for ``x [B, H, T, D]`` (any strides with the last dim
     dense) and ``cos``/``sin`` ``[B or 1, T, D]`` (broadcast over the heads), in one launch.
     The output keeps ``x``'s memory layout (``empty_like``)."""
+    if x.dtype not in (torch.bfloat16, torch.float32):  # the roundings it reproduces
+        raise ValueError(f"rotate: {x.dtype} (bf16 with torch's roundings, or fp32)")
     bsz, heads, length, dim = x.shape
     out = torch.empty_like(x)
     if out.numel() == 0:

@@ -207,6 +207,7 @@ class MegatronBackend:
             ids=ids.to(dev),
             pos=pos.to(dev),
             mask=mask.to(dev),
+            tokens=float(mask.sum()),  # counted on the host: no read of the device mask
             rollout_logp=rollout.to(dev),
             adv=torch.tensor([rows[i].advantage for i in idx], device=dev),
             mm={k: v.to(dev) for k, v in mm.items()},
@@ -262,7 +263,7 @@ class MegatronBackend:
                     num_tokens=counts.num_tokens,
                 )
                 loss.backward()
-                sums.add(metrics, float(micro["mask"].sum()))
+                sums.add(metrics, micro["tokens"])
             finalize_grads(self.thinker.lm, self.thinker.lm.config.sequence_parallel)
             norm = float(global_grad_norm(self.thinker.lm))
             decisions.append(should_step(norm, counts.has_signal, self.algo))
