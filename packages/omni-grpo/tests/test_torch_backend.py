@@ -321,3 +321,16 @@ def test_kl_reference_is_anchored_after_the_warmup_and_survives_resume(
     assert all(torch.equal(fresh_ref[n], v) for n, v in trained.items())
     anchor_reference(_backend(world), tmp_path / "nokl", AlgoConfig(), save=True)
     assert not (tmp_path / "nokl" / REFERENCE_FILE).exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_to_device_gives_the_same_values_from_a_strided_host_view(device: str) -> None:
+    """``torch_backend.to_device``: the trainer's host-to-device copy (pinned staging on CUDA)
+    keeps the values of a strided view, as the completion-token slice of ``input_ids`` is."""
+    from omni_grpo.backends.torch_backend import to_device
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    host = torch.arange(40).view(4, 10)[:, 3:]
+    moved = to_device(host, torch.device(device))
+    assert moved.device.type == device and torch.equal(moved.cpu(), host)

@@ -234,6 +234,18 @@ def _micro_batch(
     return MicroBatch(prompts, ids, attn, mask, rollout, adv, width, mm)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait for the GPU: a host tensor bound for
+    CUDA is staged in pinned memory first (torch's caching host allocator keeps the staging
+    block until the copy's stream has read it). Why: a copy from pageable memory is staged by
+    the driver, which may synchronise with the stream (CUDA's "API synchronization behavior"),
+    so ``non_blocking=True`` alone does not keep the host ahead; pinned, the copy is queued
+    behind the work before it and the host goes on."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
+
+
 def media_on(mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
     """``mb.mm`` built on ``device``: each distinct prompt's media tensors copied once, then
     joined there as ``_micro_batch`` joins them on the host (``collate_mm``; a prompt's rows
@@ -249,7 +261,7 @@ def media_on(mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
 
     def on_device(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in copied:
-            copied[id(t)] = t.to(device, non_blocking=True)
+            copied[id(t)] = to_device(t, device)
         return copied[id(t)]
 
     rows = [{k: on_device(v) for k, v in p.mm.items()} for p in mb.prompts if p.mm]
@@ -414,13 +426,13 @@ class TorchBackend:
             grids = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
             media = {k: mb.mm[k] for k in (*grids, "feature_attention_mask") if k in mb.mm}
             mb.position_ids, _ = compute(mb.input_ids, mb.attention_mask, **media)
-        return {"position_ids": mb.position_ids.to(self.device, non_blocking=True)}
+        return {"position_ids": to_device(mb.position_ids, self.device)}
 
     def _logits(self, model: Callable[..., Any], mb: MicroBatch) -> torch.Tensor:
         """Logits at the positions that predict the completion tokens, ``[B, T, V]`` (``model``:
         a module, or a function of the same keyword arguments). Host-to-device copies do not
         wait for the GPU (``non_blocking``: the copy is queued behind the work before it)."""
-        ids = mb.input_ids.to(self.device, non_blocking=True)
+        ids = to_device(mb.input_ids, self.device)
         mm = mb.mm if self.device.type == "cpu" else media_on(mb, self.device)
         t = mb.mask.shape[1]
         # Exactly the t predicting positions, as a contiguous [B, t, V] tensor: a slice of t+1
@@ -430,7 +442,7 @@ class TorchBackend:
         with self._autocast():
             out = model(
                 input_ids=ids,
-                attention_mask=mb.attention_mask.to(self.device, non_blocking=True),
+                attention_mask=to_device(mb.attention_mask, self.device),
                 logits_to_keep=keep,
                 **self._positions(mb),
                 **mm,
@@ -441,7 +453,7 @@ class TorchBackend:
         self, model: Callable[..., Any], mb: MicroBatch, temperature: float
     ) -> torch.Tensor:
         logits = self._logits(model, mb)
-        targets = mb.input_ids[:, mb.prompt_len :].to(self.device, non_blocking=True)
+        targets = to_device(mb.input_ids[:, mb.prompt_len :], self.device)
         return token_logprobs_from_logits(logits, targets, temperature, exact=self.exact)
 
     def _reference_logits(self, mb: MicroBatch) -> torch.Tensor:
@@ -471,7 +483,7 @@ class TorchBackend:
 
     def _reference_logp(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
         """Token logprobs under the KL reference, no grad."""
-        targets = mb.input_ids[:, mb.prompt_len :].to(self.device, non_blocking=True)
+        targets = to_device(mb.input_ids[:, mb.prompt_len :], self.device)
         logits = self._reference_logits(mb)
         # the policy's log-softmax kernel too (exact mode): no kernel difference in the KL term
         return token_logprobs_from_logits(logits, targets, temperature, exact=self.exact).float()
@@ -517,12 +529,12 @@ class TorchBackend:
                 # toggles the live adapters, which must not happen under a recorded graph)
                 ref_logits = self._reference_logits(mb) if full_kl and self.has_reference else None
                 logits = self._logits(self.model, mb)
-                targets = mb.input_ids[:, mb.prompt_len :].to(self.device, non_blocking=True)
+                targets = to_device(mb.input_ids[:, mb.prompt_len :], self.device)
                 logp = token_logprobs_from_logits(
                     logits, targets, batch.temperature, exact=self.exact
                 )
-                mask = mb.mask.to(self.device, non_blocking=True)
-                rollout_logp = mb.rollout_logp.to(self.device, non_blocking=True)
+                mask = to_device(mb.mask, self.device)
+                rollout_logp = to_device(mb.rollout_logp, self.device)
                 if self.exact and _epoch == 0:  # rollout.exact_logprobs: warn on a difference
                     step_no = self.steps_done + 1  # read at the step's end (flush)
                     self.exact_watch.queue(logp, mb, step_no, mask, rollout_logp)
@@ -537,7 +549,7 @@ class TorchBackend:
                 loss, m = grpo_loss_terms(  # metrics stay on the device until the end
                     logp,
                     old_logp,
-                    mb.advantages.to(self.device, non_blocking=True),
+                    to_device(mb.advantages, self.device),
                     mask,
                     self.algo,
                     ref_logp=ref[i],
