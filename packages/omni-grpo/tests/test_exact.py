@@ -436,3 +436,14 @@ def test_the_trainers_forwards_find_the_rollouts_tower_items(
     assert all(misses > 0 for misses, _ in encoded.values()), encoded
     assert after == encoded  # no item encoded a second time
     assert all(c.hits >= 2 * n for c, (_, n) in zip(caches.values(), encoded.values(), strict=True))
+
+
+def test_grouped_linear_reads_gathered_rows_only_without_a_graph() -> None:
+    """``gather=`` has no backward (the rows are never materialised): recording a graph through
+    it is refused by name, not silently given wrong gradients."""
+    from omni_grpo.exact.grouped import grouped_linear
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(2, 8, 3)
+    offs, ids = torch.tensor([3, 6], dtype=torch.int32), torch.tensor([0, 1, 1, 2, 3, 3])
+    with pytest.raises(ValueError, match="gather"):
+        grouped_linear(x, w, offs, gather=ids)

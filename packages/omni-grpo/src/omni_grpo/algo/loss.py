@@ -7,6 +7,7 @@ advantages are treated as constants.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,8 +69,8 @@ def grpo_loss(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]
     return loss, read_metrics(metrics)
 
 
-def read_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """0-dim metric tensors as floats, in one host read."""
+def read_metrics(metrics: Mapping[Any, torch.Tensor]) -> dict[Any, float]:
+    """0-dim metric tensors as floats, in one host read (keys kept)."""
     names = list(metrics)
     values = torch.stack([metrics[k] for k in names]).tolist() if names else []
     return dict(zip(names, values, strict=True))

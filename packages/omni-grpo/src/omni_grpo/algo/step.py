@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
+from omni_grpo.algo.loss import read_metrics
+
 if TYPE_CHECKING:
     from omni_grpo.config import AlgoConfig
     from omni_grpo.types import GRPOBatch
@@ -172,10 +174,11 @@ class DeferredMetrics:
 
     def resolve(self) -> MetricSums:
         sums = MetricSums()
-        flat = [(k, v) for metrics, _ in self.pending for k, v in metrics.items()]
-        values = iter(torch.stack([v for _, v in flat]).tolist() if flat else [])
-        for metrics, tokens in self.pending:
-            sums.add({k: next(values) for k in metrics}, tokens)
+        read = read_metrics(
+            {(i, k): v for i, (metrics, _) in enumerate(self.pending) for k, v in metrics.items()}
+        )
+        for i, (metrics, tokens) in enumerate(self.pending):
+            sums.add({k: read[i, k] for k in metrics}, tokens)
         self.pending.clear()
         return sums
 

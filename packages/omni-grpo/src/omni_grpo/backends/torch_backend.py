@@ -431,7 +431,7 @@ class TorchBackend:
     def _logits(self, model: Callable[..., Any], mb: MicroBatch) -> torch.Tensor:
         """Logits at the positions that predict the completion tokens, ``[B, T, V]`` (``model``:
         a module, or a function of the same keyword arguments). Host-to-device copies do not
-        wait for the GPU (``non_blocking``: the copy is queued behind the work before it)."""
+        wait for the GPU (:func:`to_device`: queued behind the work before them)."""
         ids = to_device(mb.input_ids, self.device)
         mm = mb.mm if self.device.type == "cpu" else media_on(mb, self.device)
         t = mb.mask.shape[1]

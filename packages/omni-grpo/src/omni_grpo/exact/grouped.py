@@ -93,8 +93,17 @@ def grouped_linear(
     plan: TileMap | None = None,
     tiling: RowTiling = DECODE_TILING,
     residual: torch.Tensor | None = None,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable :func:`gmm` (``w`` cast to ``x``'s dtype first, as autocast would);
     ``plan`` cut for ``tiling.block_m``; ``residual``: added in the kernel's epilogue, the bits
-    of ``residual + grouped_linear(x, w, offs)``."""
-    return _GroupedMM.apply(x, w.to(x.dtype), offs, plan, tiling, residual)
+    of ``residual + grouped_linear(x, w, offs)``. ``gather``: the product of ``x[gather]``, its
+    rows read through the ids by the kernel — only where no graph is recorded (the backward
+    would need the gathered rows)."""
+    if gather is None:
+        return _GroupedMM.apply(x, w.to(x.dtype), offs, plan, tiling, residual)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        raise ValueError(
+            "grouped_linear: gather= reads rows without a graph; call it under no_grad"
+        )
+    return gmm(x, w.to(x.dtype), offs, plan, tiling, residual, gather)

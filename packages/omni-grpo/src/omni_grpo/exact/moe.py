@@ -25,7 +25,6 @@ from omni_grpo.exact.grouped import (
     BLOCK_M,
     RowTiling,
     TileMap,
-    gmm,
     grouped_linear,
     row_tiling,
     tile_map,
@@ -80,16 +79,10 @@ def _project(
     products of ``x[gather]``, read through the index by the kernel (no autograd: a forward
     that records no graph)."""
     w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
-    if gather is not None:
-        out = gmm(x, w.to(x.dtype), *grouped, gather=gather)
-    else:
-        out = grouped_linear(x, w, *grouped)
+    out = grouped_linear(x, w, *grouped, gather=gather)
     if lora is not None:
         a_t, b_t = lora  # B^T carries the LoRA scale (grouped_experts.lora_factors)
-        if gather is not None:
-            low = gmm(x, a_t.to(x.dtype), *grouped, gather=gather)
-        else:
-            low = grouped_linear(x, a_t, *grouped)
+        low = grouped_linear(x, a_t, *grouped, gather=gather)
         out = grouped_linear(low, b_t, *grouped, residual=out)
     return out
 
